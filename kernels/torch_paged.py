@@ -1,0 +1,93 @@
+"""Vectorized torch path of paged attention: the engine's backend on CPU.
+
+No Python loop over sequences: K/V are gathered through the block tables for the whole batch at
+once and one ``scaled_dot_product_attention`` call does every sequence, with a mask for lengths
+(and causality in prefill).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """cache: [num_blocks, bs, KVH, D], block_tables: [B, M] -> [B, KVH, L, D] (L = max_len rounded up)."""
+    block_size = cache.shape[1]
+    num_blocks = -(-max_len // block_size)
+    gathered = cache[block_tables[:, :num_blocks].long()]  # [B, nb, bs, KVH, D]
+    batch = gathered.shape[0]
+    return gathered.view(batch, num_blocks * block_size, *cache.shape[2:]).transpose(1, 2)
+
+
+def paged_decode_attention_torch(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, bs, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, bs, KVH, D]
+    block_tables: torch.Tensor,  # [B, M] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    *,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    k = _gather_kv(k_cache, block_tables, max_len)
+    v = _gather_kv(v_cache, block_tables, max_len)
+    mask = torch.arange(k.shape[2], device=q.device) < seq_lens.unsqueeze(1)  # [B, L]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [B, H, 1, D]
+    return out.squeeze(2)
+
+
+def paged_prefill_attention_torch(
+    q: torch.Tensor,  # [T, H, D], sequences packed
+    k_cache: torch.Tensor,  # [num_blocks, bs, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, bs, KVH, D]
+    block_tables: torch.Tensor,  # [S, M] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    *,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs = seq_lens.shape[0]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    max_q = int(q_lens.max())
+    k = _gather_kv(k_cache, block_tables, int(seq_lens.max()))
+    v = _gather_kv(v_cache, block_tables, int(seq_lens.max()))
+    # Pad queries to [S, max_q]: row i of sequence s is packed row start_s + i.
+    rows = torch.arange(max_q, device=q.device)
+    is_real = rows < q_lens.unsqueeze(1)  # [S, max_q]
+    if num_seqs == 1:
+        q_pad = q.unsqueeze(0)
+    else:
+        src = (query_start_loc[:-1].unsqueeze(1) + rows).clamp(max=q.shape[0] - 1)
+        q_pad = q[src.long()]  # [S, max_q, H, D]
+    # Query i of s sits at position seq_len - q_len + i; it sees keys at positions <= it.
+    # Padded rows (i >= q_len) see every real key, so no row is fully masked (no NaN).
+    q_pos = (seq_lens - q_lens).unsqueeze(1) + rows  # [S, max_q]
+    k_pos = torch.arange(k.shape[2], device=q.device)
+    mask = (k_pos <= q_pos.unsqueeze(2)) & (k_pos < seq_lens[:, None, None])  # [S, max_q, L]
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True
+    ).transpose(1, 2)  # [S, max_q, H, D]
+    if num_seqs == 1:
+        return out[0]
+    return out[is_real]
+
+
+def store_kv_torch(
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, bs, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, bs, KVH, D]
+    slot_mapping: torch.Tensor,  # [T] int, -1 = padding
+) -> None:
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, k, v = slots[valid], k[valid], v[valid]
+    flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
+    flat_v.index_copy_(0, slots, v.to(flat_v.dtype))

@@ -1,0 +1,19 @@
+"""Typed errors of the engine. Routers map ``InvalidRequestError`` to HTTP 400."""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base of every error Tandem raises on purpose."""
+
+
+class InvalidRequestError(TandemError, ValueError):
+    """The request itself is wrong (bad parameter, prompt too long); the caller must change it."""
+
+
+class ModelLoadError(TandemError):
+    """The model path is missing, unreadable, or not a supported architecture."""
+
+
+class CapacityError(InvalidRequestError):
+    """The request is valid but can never fit this engine's KV pool."""

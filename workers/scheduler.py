@@ -1,0 +1,179 @@
+"""Iteration-level continuous batching under a token budget (no prefill/decode phases).
+
+Each step: running requests first (decodes, then unfinished prefill chunks), each taking
+``num_tokens - num_computed_tokens`` capped by the chunk size and the remaining budget; then
+waiting requests in arrival order, each admitted only if its blocks can be reserved. When the pool
+runs short for a running request, the newest running request is preempted (its blocks freed, its
+progress recomputed later, usually from the prefix cache) and the allocation retried.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from workers.config import EngineConfig
+from workers.kv_cache_manager import KVCacheManager
+from workers.request import Request, RequestStatus
+
+
+class ScheduledChunk(NamedTuple):
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token, so the step samples a new one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+class SampledToken(NamedTuple):
+    token_id: int
+    logprob: float | None
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int, eos_token_id: int | None):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Retire a request (stopped, length, aborted) and give back its blocks."""
+        assert status.is_finished
+        if request.status.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    # ---- schedule ----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        limit = self.config.max_num_batched_tokens
+        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens != 1)
+        for request in decodes_first:
+            budget = limit - out.num_batched_tokens
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            num_new = self._chunk_len(request, budget)
+            if self._reserve_or_preempt(request, num_new, out):
+                out.chunks.append(ScheduledChunk(request, num_new))
+        if not out.preempted:
+            self._admit_waiting(out, limit - out.num_batched_tokens)
+        return out
+
+    def _chunk_len(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        chunk = self.config.prefill_chunk_size
+        return min(num_new, chunk) if chunk else num_new
+
+    def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            # The newest request may already hold a chunk of this step (a decode scheduled first).
+            out.chunks = [c for c in out.chunks if c.request is not victim]
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            request.num_computed_tokens = num_cached
+            num_new = self._chunk_len(request, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+                request.num_computed_tokens = 0
+                break  # first come, first served: nobody overtakes the head
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            out.chunks.append(ScheduledChunk(request, num_new))
+            budget -= num_new
+
+    # ---- after the model ran ----
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: Iterable[SampledToken | None]
+    ) -> list[Request]:
+        """Advance progress, append sampled tokens, retire finished requests.
+
+        Returns the requests that received a token this step (finished ones included).
+        """
+        updated: list[Request] = []
+        for chunk, token in zip(out.chunks, sampled, strict=True):
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.kv_cache.cache_full_blocks(request)
+            if token is None:
+                continue
+            request.append_output_token(token.token_id, token.logprob)
+            updated.append(request)
+            status = self._check_stop(request)
+            if status is not None:
+                self.finish_request(request, status)
+        return updated
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if last in params.stop_token_ids:
+            request.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if last == self.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
