@@ -1,0 +1,58 @@
+"""Session fixtures: the default model loaded once (ours and HF's), small random models."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def default_source():
+    from workers.model_cache import prepared_source
+    from workers.model_loader import resolve_model_source
+
+    return prepared_source(resolve_model_source(None))
+
+
+@pytest.fixture(scope="session")
+def default_model_and_tokenizer(default_source):
+    """Our model and tokenizer, shared by every engine built in tests (engines keep KV apart)."""
+    from workers.engine import Engine
+    from workers.config import EngineConfig
+
+    engine = Engine(EngineConfig(model=str(default_source.path), num_kv_blocks=16))
+    return engine.model, engine.tokenizer
+
+
+@pytest.fixture(scope="session")
+def make_engine(default_model_and_tokenizer):
+    from workers.config import EngineConfig
+    from workers.engine import Engine
+
+    model, tokenizer = default_model_and_tokenizer
+
+    def make(**knobs):
+        knobs.setdefault("num_kv_blocks", 1024)
+        return Engine(EngineConfig(**knobs), model=model, tokenizer=tokenizer)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """HF transformers' model and tokenizer from the very same GGUF file, fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.model_loader import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    return model, tok

@@ -1,0 +1,126 @@
+"""Acceptance: greedy outputs equal HF transformers' token for token, in every scheduling mode.
+
+HF runs the same GGUF file in fp32 (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.prompts import reference_prompts
+from workers.attention_metadata import AttentionMetadata
+from workers.sampling_params import SamplingParams
+
+NUM_NEW = 32
+GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_and_tokenizer):
+    return reference_prompts(default_model_and_tokenizer[1])
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(make_engine, prompts):
+    engine = make_engine()
+    return [engine.tokenize(p) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(hf_reference, prompt_ids):
+    model, _ = hf_reference
+    outs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
+            outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def test_prompts_span_5_to_1500_tokens(prompt_ids):
+    lengths = sorted(len(ids) for ids in prompt_ids)
+    assert len(lengths) >= 8 and lengths[0] <= 8 and lengths[-1] >= 1400, lengths
+
+
+def test_tokenization_and_chat_template_match_hf(hf_reference, prompts, prompt_ids):
+    _, hf_tok = hf_reference
+    for prompt, ids in zip(prompts, prompt_ids):
+        if isinstance(prompt, dict):
+            text = hf_tok.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
+            expected = hf_tok.encode(text, add_special_tokens=False)
+        else:
+            expected = hf_tok.encode(prompt)
+        assert ids == expected
+
+
+def test_prefill_logits_match_hf(hf_reference, make_engine, prompt_ids):
+    hf_model, _ = hf_reference
+    model = make_engine().model
+    for ids in prompt_ids[:7:2]:
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([ids])).logits[0]
+        got = full_prefill_logits(model, ids)
+        assert (got - expected).abs().max().item() < 1e-3
+
+
+def test_one_at_a_time(make_engine, prompt_ids, hf_outputs):
+    engine = make_engine()
+    for ids, expected in zip(prompt_ids, hf_outputs):
+        assert engine.generate([ids], GREEDY)[0].token_ids == expected
+
+
+def test_continuous_batch_with_staggered_arrivals(make_engine, prompt_ids, hf_outputs):
+    engine = make_engine(max_num_batched_tokens=2048)
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(prompt_ids))
+    step = 0
+    while pending or engine.has_unfinished:
+        if pending and step % 2 == 0:  # a new arrival every other step, while others decode
+            i, ids = pending.pop(0)
+            got[engine.add_request(ids, GREEDY, request_id=str(i))] = []
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+        step += 1
+    assert [got[str(i)] for i in range(len(prompt_ids))] == hf_outputs
+    assert engine.block_pool.num_used_blocks == 0
+
+
+def test_chunked_prefill_at_64_tokens(make_engine, prompt_ids, hf_outputs):
+    engine = make_engine(prefill_chunk_size=64)
+    results = engine.generate(prompt_ids, GREEDY)
+    assert [r.token_ids for r in results] == hf_outputs
+
+
+def test_after_prefix_cache_filled(make_engine, prompt_ids, hf_outputs):
+    engine = make_engine()
+    engine.generate(prompt_ids, GREEDY)  # fills the prefix cache
+    ids = [engine.add_request(p, GREEDY) for p in prompt_ids]
+    got = {rid: [] for rid in ids}
+    cached = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+            cached[out.request_id] = out.num_cached_tokens
+    assert [got[r] for r in ids] == hf_outputs
+    # every prompt of at least two blocks found its full blocks cached
+    for rid, p in zip(ids, prompt_ids):
+        assert cached[rid] == ((len(p) - 1) // 16) * 16
+
+
+def full_prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prompt prefilled into a fresh paged cache."""
+    cfg, n, bs = model.config, len(ids), 16
+    num_blocks = -(-n // bs)
+    kv = torch.zeros(cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+    empty = torch.zeros(0, 1, dtype=torch.int32)
+    md = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        num_decode_tokens=0, decode_block_tables=empty, decode_seq_lens=empty[:, 0],
+        prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+        prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        prefill_seq_lens=torch.tensor([n], dtype=torch.int32),
+    )
+    return model.forward(torch.tensor(ids), torch.arange(n), kv, md, torch.arange(n))
