@@ -1,0 +1,50 @@
+"""Small random-weight Llama models built in code (no files), for fast engine and kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.model import LlamaModel
+from workers.model_config import ModelConfig
+
+
+def tiny_config(vocab_size: int = 49152, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                num_layers: int = 2, max_positions: int = 2048) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", vocab_size=vocab_size, hidden_size=num_heads * head_dim,
+        intermediate_size=2 * num_heads * head_dim, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rope_theta=10000.0,
+        max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.5) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std / shape[-1] ** 0.5
+
+    # Untied: tied random embeddings would just predict the input token again. An lm_head of
+    # std 2/sqrt(hidden) gives logits of std ~2: peaked, but not one-hot.
+    out = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, hidden, generator=g),
+           "lm_head.weight": torch.randn(cfg.vocab_size, hidden, generator=g) * 2 / hidden**0.5,
+           "model.norm.weight": torch.ones(hidden)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+            p + "self_attn.q_proj.weight": w(q, hidden), p + "self_attn.k_proj.weight": w(kv, hidden),
+            p + "self_attn.v_proj.weight": w(kv, hidden), p + "self_attn.o_proj.weight": w(hidden, q),
+            p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+        }
+    return out
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **cfg_knobs: int) -> LlamaModel:
+    cfg = tiny_config(**cfg_knobs)
+    return LlamaModel(cfg, random_weights(cfg, seed), torch.device("cpu"), dtype)

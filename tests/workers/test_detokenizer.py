@@ -1,0 +1,64 @@
+"""Incremental detokenization: stop strings cut across token boundaries, never half a character."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.detokenizer import IncrementalDetokenizer
+
+TEXT = "The rain in Spain stays mainly in the plain. 東京タワー 🚀🎉 naïve café END of story"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_and_tokenizer):
+    return default_model_and_tokenizer[1]
+
+
+def feed(tokenizer, token_ids, stop=()):
+    det = IncrementalDetokenizer(tokenizer, [1, 2, 3], stop)
+    pieces = []
+    for t in token_ids:
+        pieces.append(det.add_tokens([t]))
+        if det.stop_reason:
+            break
+    pieces.append(det.flush())
+    return pieces, det
+
+
+def test_pieces_join_to_full_decode_and_never_split_a_character(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    pieces, _ = feed(tokenizer, ids)
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+    # multi-byte characters really did span several tokens here
+    assert len(ids) > len(TEXT.split()) + 10
+
+
+@pytest.mark.parametrize("stop", ["Spain stays", "ain. 東", "タワ", "🎉 na", "END", "y"])
+def test_stop_string_cut_across_token_boundaries(tokenizer, stop):
+    ids = tokenizer.encode(TEXT)
+    pieces, det = feed(tokenizer, ids, stop=[stop, "never-present"])
+    full = tokenizer.decode(ids)
+    assert det.stop_reason == stop
+    assert "".join(pieces) == full[: full.index(stop)]
+    assert stop not in "".join(pieces)
+
+
+def test_held_back_prefix_released_when_stop_never_comes(tokenizer):
+    ids = tokenizer.encode("abc the end")
+    pieces, det = feed(tokenizer, ids, stop=["the endgame"])
+    assert det.stop_reason is None
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert pieces[-1].endswith("the end")  # held back until the flush
+
+
+def test_engine_stop_string_finishes_with_reason(make_engine):
+    engine = make_engine()
+    from workers.sampling_params import SamplingParams
+
+    chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    full = engine.generate([chat], SamplingParams(max_tokens=32, temperature=0))[0]
+    assert full.text == "The capital of France is Paris."
+    cut = engine.generate([chat], SamplingParams(max_tokens=32, temperature=0, stop=["of Fr"]))[0]
+    assert cut.text == "The capital " and cut.finish_reason == "stop"
+    assert engine.block_pool.num_used_blocks == 0

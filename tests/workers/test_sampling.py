@@ -1,0 +1,98 @@
+"""Sampling: seeds reproduce whatever the batch; filters sample the right renormalized distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_model import tiny_model
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.sampler import sample
+from workers.sampling_params import SamplingParams
+
+NUM_DRAWS = 20000
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_factory(default_model_and_tokenizer):
+    _, tokenizer = default_model_and_tokenizer
+    model = tiny_model(seed=3)
+
+    def make(**knobs):
+        return Engine(EngineConfig(num_kv_blocks=256, **knobs), model=model, tokenizer=tokenizer)
+
+    return make
+
+
+def reference_distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Independent, sort-based statement of HF's order: temperature, top-k, top-p, min-p."""
+    probs = torch.softmax(logits.double() / p.temperature, dim=-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep[order[: p.top_k if p.top_k > 0 else len(probs)]] = True
+    probs = torch.where(keep, probs, 0.0)
+    probs /= probs.sum()
+    if p.top_p < 1.0:
+        total, kept = 0.0, torch.zeros_like(keep)
+        for t in probs.argsort(descending=True).tolist():
+            if total >= p.top_p:
+                break
+            kept[t] = True
+            total += probs[t].item()
+        probs = torch.where(kept, probs, 0.0)
+        probs /= probs.sum()
+    if p.min_p > 0:
+        probs = torch.where(probs >= p.min_p * probs.max(), probs, 0.0)
+        probs /= probs.sum()
+    return probs
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=12),
+    SamplingParams(temperature=0.7, top_p=0.8),
+    SamplingParams(temperature=1.3, min_p=0.1),
+    SamplingParams(temperature=0.9, top_k=30, top_p=0.9, min_p=0.05),
+], ids=["top_k", "top_p", "min_p", "all"])
+def test_filters_sample_the_renormalized_distribution(params):
+    model = tiny_model(seed=1, vocab_size=512)
+    # logits of a real (random) model at one position
+    logits = full_logits(model, [5, 17, 42, 7])
+    expected = reference_distribution(logits, params)
+    batch = logits.expand(NUM_DRAWS, -1).contiguous()
+    gens = [torch.Generator().manual_seed(i) for i in range(NUM_DRAWS)]
+    tokens, _ = sample(batch, [params] * NUM_DRAWS, gens)
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(expected)).double()
+    support = expected > 0
+    assert counts[~support].sum() == 0, "sampled a token the filters removed"
+    assert 2 <= int(support.sum()) <= 60
+    # Pearson chi-square over the support; the 99.9% quantile of chi2(df) is below df + 3.1 sqrt(2 df) + 10
+    exp_counts = expected[support] * NUM_DRAWS
+    chi2 = (((counts[support] - exp_counts) ** 2) / exp_counts).sum().item()
+    df = int(support.sum()) - 1
+    assert chi2 < df + 3.1 * (2 * df) ** 0.5 + 10, (chi2, df)
+
+
+def test_seeded_requests_reproduce_whatever_the_batch(tiny_engine_factory):
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = tiny_engine_factory().generate([[3, 4, 5, 6, 7]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=m, temperature=0.8, ignore_eos=True) for m in (5, 30, 12)]
+    crowd = tiny_engine_factory(max_num_batched_tokens=64).generate(
+        [[9, 9, 9], [3, 4, 5, 6, 7], [1] * 40, [8, 7]], [others[0], params, others[1], others[2]])
+    assert crowd[1].token_ids == alone
+    different_seed = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=99, ignore_eos=True)
+    assert tiny_engine_factory().generate([[3, 4, 5, 6, 7]], different_seed)[0].token_ids != alone
+
+
+def test_greedy_logprobs_are_log_softmax_of_chosen(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    res = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=1, temperature=0, logprobs=True))[0]
+    logits = full_logits(engine.model, [3, 4, 5])
+    assert res.token_ids[0] == int(logits.argmax())
+    assert res.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1).max().item(), abs=1e-5)
+
+
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    from tests.workers.test_engine_vs_hf import full_prefill_logits
+
+    return full_prefill_logits(model, ids)[-1]
