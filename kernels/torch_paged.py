@@ -1,8 +1,10 @@
 """Vectorized torch path of paged attention: the engine's backend on CPU.
 
-No Python loop over sequences: K/V are gathered through the block tables for the whole batch at
-once and one ``scaled_dot_product_attention`` call does every sequence, with a mask for lengths
-(and causality in prefill).
+No Python loop over sequences: K/V are gathered through the block tables for a whole group of
+sequences at once and one ``scaled_dot_product_attention`` call does the group, with a mask for
+lengths (and causality in prefill). Groups hold sequences of similar length, because every
+sequence in a call is padded to the longest: one 2,000-token sequence among 200-token ones would
+otherwise make each of them gather 2,000 tokens.
 """
 
 from __future__ import annotations
@@ -15,9 +17,24 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) ->
     """cache: [num_blocks, bs, KVH, D], block_tables: [B, M] -> [B, KVH, L, D] (L = max_len rounded up)."""
     block_size = cache.shape[1]
     num_blocks = -(-max_len // block_size)
-    gathered = cache[block_tables[:, :num_blocks].long()]  # [B, nb, bs, KVH, D]
-    batch = gathered.shape[0]
+    batch = block_tables.shape[0]
+    # index_select on a 2-D view copies whole blocks; 3-4x faster than advanced indexing on CPU.
+    ids = block_tables[:, :num_blocks].reshape(-1).long()
+    gathered = torch.index_select(cache.view(cache.shape[0], -1), 0, ids)  # [B * nb, bs * KVH * D]
     return gathered.view(batch, num_blocks * block_size, *cache.shape[2:]).transpose(1, 2)
+
+
+def length_groups(seq_lens: list[int], ratio: float = 2.0, floor: int = 64) -> list[list[int]]:
+    """Indices grouped so that, within a group, the longest is at most ``ratio`` x the shortest
+    (lengths under ``floor`` count as ``floor``: short sequences are cheap to pad)."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and seq_lens[i] <= ratio * max(seq_lens[groups[-1][0]], floor):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def paged_decode_attention_torch(
@@ -28,9 +45,19 @@ def paged_decode_attention_torch(
     seq_lens: torch.Tensor,  # [B] int32
     *,
     scale: float,
-    max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    groups = length_groups(seq_lens.tolist())
+    if len(groups) == 1:
+        return _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(q)
+    for group in groups:
+        idx = torch.tensor(group, device=q.device)
+        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale)
+    return out
+
+
+def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale):  # type: ignore[no-untyped-def]
+    max_len = int(seq_lens.max())
     k = _gather_kv(k_cache, block_tables, max_len)
     v = _gather_kv(v_cache, block_tables, max_len)
     mask = torch.arange(k.shape[2], device=q.device) < seq_lens.unsqueeze(1)  # [B, L]
@@ -50,6 +77,21 @@ def paged_prefill_attention_torch(
     *,
     scale: float,
 ) -> torch.Tensor:
+    groups = length_groups(seq_lens.tolist())
+    if len(groups) == 1:
+        return _prefill_group(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for group in groups:
+        rows = torch.cat([torch.arange(starts[s], starts[s + 1], device=q.device) for s in group])
+        q_lens = torch.tensor([starts[s + 1] - starts[s] for s in group], device=q.device)
+        group_qsl = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(query_start_loc.dtype)
+        idx = torch.tensor(group, device=q.device)
+        out[rows] = _prefill_group(q[rows], k_cache, v_cache, block_tables[idx], group_qsl, seq_lens[idx], scale)
+    return out
+
+
+def _prefill_group(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):  # type: ignore[no-untyped-def]
     num_seqs = seq_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     max_q = int(q_lens.max())

@@ -23,8 +23,8 @@ def default_source():
 @pytest.fixture(scope="session")
 def default_model_and_tokenizer(default_source):
     """Our model and tokenizer, shared by every engine built in tests (engines keep KV apart)."""
-    from workers.engine import Engine
     from workers.config import EngineConfig
+    from workers.engine import Engine
 
     engine = Engine(EngineConfig(model=str(default_source.path), num_kv_blocks=16))
     return engine.model, engine.tokenizer

@@ -34,8 +34,10 @@ def text_of_tokens(tokenizer, num_tokens: int, seed: int = 0) -> str:
 
 def reference_prompts(tokenizer) -> list[object]:
     """Eight prompts from ~5 to ~1,500 tokens, raw and chat-templated."""
-    chat = lambda content, system=None: {"messages": ([{"role": "system", "content": system}] if system else [])
-                                         + [{"role": "user", "content": content}]}
+    def chat(content: str, system: str | None = None) -> dict:
+        messages = [{"role": "system", "content": system}] if system else []
+        return {"messages": messages + [{"role": "user", "content": content}]}
+
     return [
         "The capital of France is",
         chat("What is the capital of France?"),

@@ -15,7 +15,7 @@ import kernels
 from workers.attention_metadata import AttentionMetadata
 from workers.errors import ModelLoadError
 from workers.model_config import ModelConfig
-from workers.rope import RotaryEmbedding
+from workers.rope import RotaryEmbedding, apply_rope
 
 
 @dataclass
@@ -31,6 +31,8 @@ class LayerWeights:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As HF computes it: normalize in fp32, cast back, then scale."""
+    if x.dtype == torch.float32:  # torch's fused kernel does exactly that math in fp32
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -81,22 +83,22 @@ class LlamaModel:
         cfg = self.config
         num_tokens = input_ids.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        h = self.embed[input_ids]
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.cos_sin(positions)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self.rope.apply(q, k, positions)
+            # Q and K are adjacent in each row: rotate both heads-sets in one pass.
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(num_tokens, -1, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=attn.backend)
             o = self._attention(q, k_cache, v_cache, attn)
-            h = h + F.linear(o.reshape(num_tokens, q_size), layer.o_proj)
+            h += F.linear(o.reshape(num_tokens, q_size), layer.o_proj)
             x = rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            h += F.linear(F.silu(gate) * up, layer.down)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 

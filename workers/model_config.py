@@ -50,6 +50,11 @@ class ModelConfig:
             )
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
+        # transformers >= 5 writes "rope_parameters" (theta + scaling); older files "rope_theta" + "rope_scaling".
+        rope_params = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = rope_params
         return cls(
             architecture=known[0],
             vocab_size=cfg["vocab_size"],
@@ -59,13 +64,13 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta", 10000.0)),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama may through attention_bias.
             attention_bias=known[0] == "qwen2" or bool(cfg.get("attention_bias", False)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
         )

@@ -43,11 +43,14 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, KVH, D], positions: [T]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``positions`` [T], shaped [T, 1, D]; looked up once per forward, used by every layer."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D] (query and key heads together), cos/sin: [T, 1, D]
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

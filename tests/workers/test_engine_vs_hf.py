@@ -47,7 +47,7 @@ def test_prompts_span_5_to_1500_tokens(prompt_ids):
 
 def test_tokenization_and_chat_template_match_hf(hf_reference, prompts, prompt_ids):
     _, hf_tok = hf_reference
-    for prompt, ids in zip(prompts, prompt_ids):
+    for prompt, ids in zip(prompts, prompt_ids, strict=True):
         if isinstance(prompt, dict):
             text = hf_tok.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
             expected = hf_tok.encode(text, add_special_tokens=False)
@@ -68,7 +68,7 @@ def test_prefill_logits_match_hf(hf_reference, make_engine, prompt_ids):
 
 def test_one_at_a_time(make_engine, prompt_ids, hf_outputs):
     engine = make_engine()
-    for ids, expected in zip(prompt_ids, hf_outputs):
+    for ids, expected in zip(prompt_ids, hf_outputs, strict=True):
         assert engine.generate([ids], GREEDY)[0].token_ids == expected
 
 
@@ -106,7 +106,7 @@ def test_after_prefix_cache_filled(make_engine, prompt_ids, hf_outputs):
             cached[out.request_id] = out.num_cached_tokens
     assert [got[r] for r in ids] == hf_outputs
     # every prompt of at least two blocks found its full blocks cached
-    for rid, p in zip(ids, prompt_ids):
+    for rid, p in zip(ids, prompt_ids, strict=True):
         assert cached[rid] == ((len(p) - 1) // 16) * 16
 
 
