@@ -7,6 +7,7 @@ themselves in ``_triton_ops`` when their module imports (see kernels/triton_*.py
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 import torch
@@ -21,8 +22,11 @@ def resolve_backend(device: torch.device, backend: str | None) -> str:
         return "triton" if device.type == "cuda" and _triton_ops() is not None else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "triton" and _triton_ops() is None:
-        raise ValueError("attention backend 'triton' is not available: Triton kernels failed to import")
+    if backend == "triton":
+        if _triton_ops() is None:
+            raise ValueError("attention backend 'triton' is not available: Triton kernels failed to import")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention backend 'triton' runs CPU tensors only under TRITON_INTERPRET=1")
     return backend
 
 

@@ -1,0 +1,128 @@
+"""Triton paged prefill attention: packed variable-length queries over a paged KV cache.
+
+Reference: ``kernels.reference.paged_prefill_attention_ref``. Covers chunked prefill and prefix-cache
+hits: sequence s's queries are its *last* q_len tokens, and its first seq_len - q_len tokens are
+already in the cache.
+
+Grid (query tile, seq, head); FlashAttention-2 online softmax over key tiles, causal:
+
+    keys:     0 .............. ctx ........... seq_len
+    queries:                   |<--- q_len --->|
+    query i (position ctx + i) sees keys 0..ctx+i; the tile stops at its last query's position.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [T, H, D], sequences packed
+    k_cache_ptr,  # [num_blocks, block_size, KVH, D]
+    v_cache_ptr,  # [num_blocks, block_size, KVH, D]
+    block_tables_ptr,  # [S, max_blocks] int32
+    query_start_loc_ptr,  # [S + 1] int32
+    seq_lens_ptr,  # [S] int32
+    out_ptr,  # [T, H, D]
+    scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+    kvh = head // GROUP
+
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < q_len
+    d = tl.arange(0, HEAD_DIM)
+    rows = (q_start + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=m_ok[:, None], other=0.0)
+    q_pos = ctx + m  # absolute position of each query row
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    hi = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
+    for n0 in range(0, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        blk = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        row = (n % BLOCK_SIZE).to(tl.int64)
+        k = tl.load(k_cache_ptr + (blk * stride_kb + row * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
+                    mask=n_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Padded query rows (m >= q_len) may see no key yet: keep them finite (their output is dropped).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + (blk * stride_vb + row * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
+                    mask=n_ok[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16, "head_dim must be a power of 2 >= 16"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+    )
+    return out
