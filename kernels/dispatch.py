@@ -11,6 +11,7 @@ import os
 from types import ModuleType
 
 import torch
+from torch import Tensor
 
 from kernels import torch_paged
 
@@ -37,19 +38,27 @@ def _triton_ops() -> ModuleType | None:
         return None
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, backend=None):  # type: ignore[no-untyped-def]
+def _triton() -> ModuleType:
+    ops = _triton_ops()
+    assert ops is not None  # resolve_backend checked it
+    return ops
+
+
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, *,
+                           scale: float, backend: str | None = None) -> Tensor:
     """See ``torch_paged.paged_decode_attention_torch`` for shapes."""
     if resolve_backend(q.device, backend) == "triton":
-        return _triton_ops().paged_decode_attention(  # type: ignore[union-attr]
+        return _triton().paged_decode_attention(
             q, k_cache, v_cache, block_tables, seq_lens, scale=scale
         )
     return torch_paged.paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *, scale, backend=None):  # type: ignore[no-untyped-def]
+def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,
+                            seq_lens: Tensor, *, scale: float, backend: str | None = None) -> Tensor:
     """See ``torch_paged.paged_prefill_attention_torch`` for shapes."""
     if resolve_backend(q.device, backend) == "triton":
-        return _triton_ops().paged_prefill_attention(  # type: ignore[union-attr]
+        return _triton().paged_prefill_attention(
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale
         )
     return torch_paged.paged_prefill_attention_torch(
@@ -57,8 +66,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
     )
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping, backend=None) -> None:  # type: ignore[no-untyped-def]
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+             backend: str | None = None) -> None:
     if resolve_backend(k.device, backend) == "triton":
-        _triton_ops().store_kv(k, v, k_cache, v_cache, slot_mapping)  # type: ignore[union-attr]
+        _triton().store_kv(k, v, k_cache, v_cache, slot_mapping)
         return
     torch_paged.store_kv_torch(k, v, k_cache, v_cache, slot_mapping)

@@ -11,6 +11,7 @@ Paged layout (block_size 4): sequence s with 6 tokens and block table [7, 2]:
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 
 def gather_sequence_kv(
@@ -43,7 +44,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
 
 
-def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, *, scale):  # type: ignore[no-untyped-def]
+def paged_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                               *, scale: float) -> Tensor:
     out = torch.empty_like(q)
     for s in range(q.shape[0]):
         k, v = gather_sequence_kv(k_cache, v_cache, block_tables[s], int(seq_lens[s]))
@@ -51,7 +53,8 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, *, s
     return out
 
 
-def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, *, scale):  # type: ignore[no-untyped-def]
+def paged_prefill_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                                query_start_loc: Tensor, seq_lens: Tensor, *, scale: float) -> Tensor:
     out = torch.empty_like(q)
     for s in range(seq_lens.shape[0]):
         lo, hi = int(query_start_loc[s]), int(query_start_loc[s + 1])
@@ -60,7 +63,7 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_l
     return out
 
 
-def store_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:  # type: ignore[no-untyped-def]
+def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     block_size = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:

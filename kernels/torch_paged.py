@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -56,7 +57,8 @@ def paged_decode_attention_torch(
     return out
 
 
-def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale):  # type: ignore[no-untyped-def]
+def _decode_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                  scale: float) -> Tensor:
     max_len = int(seq_lens.max())
     k = _gather_kv(k_cache, block_tables, max_len)
     v = _gather_kv(v_cache, block_tables, max_len)
@@ -91,7 +93,8 @@ def paged_prefill_attention_torch(
     return out
 
 
-def _prefill_group(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):  # type: ignore[no-untyped-def]
+def _prefill_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,
+                   seq_lens: Tensor, scale: float) -> Tensor:
     num_seqs = seq_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     max_q = int(q_lens.max())

@@ -38,8 +38,11 @@ class ModelRunner:
         chunks = out.chunks
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new_tokens != 1)  # decodes first
         rows = [chunks[i] for i in order]
-        input_ids, positions, slots, logit_rows = [], [], [], []
-        tables = []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        tables: list[list[int]] = []
         for chunk in rows:
             req, start, n = chunk.request, chunk.request.num_computed_tokens, chunk.num_new_tokens
             table = block_ids_of(req.request_id)
