@@ -13,10 +13,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.add_parser(sub)
+    sub.add_parser("loadgen", help="goodput under SLOs against any OpenAI-compatible server (see --help)",
+                   add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["loadgen"]:  # loadgen stands alone and parses its own flags
+        from loadgen.cli import main as loadgen_main
+
+        return loadgen_main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

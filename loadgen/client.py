@@ -1,0 +1,95 @@
+"""Async streaming OpenAI client that records when every chunk arrives.
+
+Never raises for a failed request: connection refused, HTTP errors, timeouts and broken streams
+become ``RequestRecord.error`` with a kind prefix, so a run always completes and counts them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from loadgen.metrics import RequestRecord
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    base_url: str  # e.g. http://127.0.0.1:8000 (with or without /v1)
+    model: str
+    api: str = "chat"  # "chat" or "completions"
+    timeout_s: float = 300.0
+    ignore_eos: bool = True
+    temperature: float = 0.0
+
+    @property
+    def endpoint(self) -> str:
+        base = self.base_url.rstrip("/")
+        if not base.endswith("/v1"):
+            base += "/v1"
+        return base + ("/chat/completions" if self.api == "chat" else "/completions")
+
+
+def request_body(cfg: ClientConfig, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": cfg.model, "max_tokens": max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}, "temperature": cfg.temperature}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True  # vLLM, SGLang, Tandem honour it; others ignore unknown fields
+    if cfg.api == "chat":
+        body["messages"] = messages
+    else:
+        body["prompt"] = "\n\n".join(m["content"] for m in messages)
+    return body
+
+
+async def send_streaming(client: httpx.AsyncClient, cfg: ClientConfig, record: RequestRecord,
+                         messages: list[dict[str, str]], max_tokens: int, clock_zero: float) -> str:
+    """Send one request, filling ``record``; returns the generated text (for multi-turn history)."""
+    record.send_s = time.perf_counter() - clock_zero
+    pieces: list[str] = []
+    try:
+        async with client.stream("POST", cfg.endpoint, json=request_body(cfg, messages, max_tokens),
+                                 timeout=cfg.timeout_s) as resp:
+            record.status = resp.status_code
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode("utf-8", "replace")[:300]
+                record.error = f"http {resp.status_code}: {detail}"
+                return ""
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                _handle_chunk(json.loads(data), record, pieces, time.perf_counter() - clock_zero)
+        if not record.token_times_s and record.error is None:
+            record.error = "empty: the stream ended without a token"
+        if record.output_tokens == 0:
+            record.output_tokens = len(record.token_times_s)
+    except httpx.ConnectError as e:
+        record.error = f"connect: {e}"
+    except httpx.TimeoutException:
+        record.error = f"timeout: no answer within {cfg.timeout_s}s"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        record.error = f"stream: {type(e).__name__}: {e}"
+    finally:
+        record.end_s = time.perf_counter() - clock_zero
+    return "".join(pieces)
+
+
+def _handle_chunk(obj: dict[str, Any], record: RequestRecord, pieces: list[str], now_s: float) -> None:
+    if "error" in obj:
+        record.error = f"stream: {obj['error']}"
+        return
+    usage = obj.get("usage")
+    if usage:
+        record.output_tokens = int(usage.get("completion_tokens") or 0)
+        record.input_tokens = int(usage.get("prompt_tokens") or record.input_tokens)
+    for choice in obj.get("choices") or []:
+        piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+        if piece:
+            pieces.append(piece)
+            record.token_times_s.append(now_s)
