@@ -33,13 +33,14 @@ def hbm_peak(device: torch.device) -> float | None:
     return next((v for k, v in HBM_PEAK_BYTES_S.items() if k in name), None)
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds per call."""
+def time_fn(fn: Callable[[], object], device: torch.device, repeats: int, warmup: bool = True) -> float:
+    """Median seconds per call (``warmup``: one untimed call first, on CPU)."""
     if device.type == "cuda":
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")) / 1e3
-    fn()
+    if warmup:
+        fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_tiles import online_softmax_update, tile_scores
+
 BLOCK_N = 32  # key positions per tile
 
 
@@ -68,25 +70,10 @@ def _decode_split_kernel(
         n_ok = n < end
         blk = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         row = (n % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(k_cache_ptr + (blk * stride_kb + row * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=n_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = tile_scores(q, k_cache_ptr, blk, row, kvh, stride_kb, stride_kt, stride_kh, d, n_ok, IEEE=IEEE)
         s = tl.where(n_ok[None, :], s * scale, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + (blk * stride_vb + row * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=n_ok[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(s, m_i, l_i, acc, v_cache_ptr, blk, row, kvh, stride_vb, stride_vt,
+                                              stride_vh, d, n_ok, IEEE=IEEE)
 
     has_tokens = l_i > 0
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]

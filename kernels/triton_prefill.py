@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_tiles import online_softmax_update, tile_scores
+
 
 @triton.jit
 def _prefill_kernel(
@@ -67,28 +69,11 @@ def _prefill_kernel(
         n_ok = n < hi
         blk = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         row = (n % BLOCK_SIZE).to(tl.int64)
-        k = tl.load(k_cache_ptr + (blk * stride_kb + row * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=n_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = tile_scores(q, k_cache_ptr, blk, row, kvh, stride_kb, stride_kt, stride_kh, d, n_ok, IEEE=IEEE)
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Padded query rows (m >= q_len) may see no key yet: keep them finite (their output is dropped).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + (blk * stride_vb + row * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=n_ok[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(s, m_i, l_i, acc, v_cache_ptr, blk, row, kvh, stride_vb, stride_vt,
+                                              stride_vh, d, n_ok, IEEE=IEEE)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],

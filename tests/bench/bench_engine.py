@@ -30,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from kernels.bench import time_fn  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
@@ -42,12 +43,7 @@ def log(msg: str) -> None:
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_fn(fn, torch.device("cpu"), repeats, warmup=False)
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:
