@@ -98,3 +98,20 @@ def test_ctrl_c_still_writes_the_report(server_url, tmp_path):
     doc = load(out)
     assert doc["config"]["interrupted"] is True
     assert 0 < doc["summary"]["num_requests"] < 200 and doc["summary"]["num_ok"] >= 1
+
+
+def test_duration_bounds_the_run(server_url, tmp_path):
+    out = tmp_path / "short"
+    t0 = time.perf_counter()
+    assert main(["--url", server_url, "--rate", "10", "--num-requests", "500", "--duration", "1.0",
+                 "--out", str(out), *COMMON]) == 0
+    assert time.perf_counter() - t0 < 15
+    assert 3 <= load(out)["summary"]["num_requests"] < 40
+
+
+def test_tandem_cli_routes_to_loadgen(server_url, tmp_path):
+    from cluster.cli import main as tandem_main
+
+    out = tmp_path / "via-tandem"
+    assert tandem_main(["loadgen", "--url", server_url, "--num-requests", "2", "--out", str(out), *COMMON]) == 0
+    assert load(out)["summary"]["num_ok"] == 2
