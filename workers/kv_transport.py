@@ -1,0 +1,87 @@
+"""KV transport: moves KV blocks from a prefill worker's cache into a decode worker's cache.
+
+One small interface, several backends (``tcp`` here; ``nixl`` and ``nccl`` to come). Ownership: a
+worker registers its whole KV cache once; a transfer writes source blocks into destination blocks
+that the *receiver* reserved beforehand (admission), so the receiver owns them throughout and frees
+them if the transfer fails.
+
+Cache layout (one tensor per worker): [layers, 2 (K/V), num_blocks, block_size, kv_heads, head_dim].
+A run of consecutive block ids is one contiguous segment per (layer, K/V) slab:
+
+    blocks 5,6,7 -> 8,9,10:   for each layer l, kv j: src[l, j, 5:8]  ->  dst[l, j, 8:11]
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from workers.errors import TandemError
+
+
+class TransferError(TandemError):
+    """A transfer failed or timed out; the destination blocks hold no valid KV."""
+
+
+class BlockRun(NamedTuple):
+    src_start: int
+    dst_start: int
+    num_blocks: int
+
+
+def coalesce_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[BlockRun]:
+    """Pair source and destination blocks into runs that are consecutive on both sides."""
+    if len(src_block_ids) != len(dst_block_ids):
+        raise ValueError("source and destination block lists differ in length")
+    runs: list[BlockRun] = []
+    for src, dst in zip(src_block_ids, dst_block_ids, strict=True):
+        if runs and src == runs[-1].src_start + runs[-1].num_blocks and dst == runs[-1].dst_start + runs[-1].num_blocks:
+            runs[-1] = runs[-1]._replace(num_blocks=runs[-1].num_blocks + 1)
+        else:
+            runs.append(BlockRun(src, dst, 1))
+    return runs
+
+
+def run_segments(kv_cache: torch.Tensor, start: int, num_blocks: int) -> list[torch.Tensor]:
+    """The contiguous pieces of a block run, in wire order (layer-major, then K, V)."""
+    return [kv_cache[layer, j, start : start + num_blocks] for layer in range(kv_cache.shape[0]) for j in (0, 1)]
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    request_id: str
+    num_bytes: int
+    seconds: float
+
+
+class KVTransport(ABC):
+    """One worker's end of the KV transport.
+
+    ``address()`` is plain data (msgpack-able) that peers pass to ``write_blocks``.
+    """
+
+    backend: str
+
+    @abstractmethod
+    def register(self, kv_cache: torch.Tensor) -> None:
+        """Expose this worker's cache (contiguous) as a transfer source and destination."""
+
+    @abstractmethod
+    def address(self) -> dict[str, Any]:
+        """How a peer reaches this worker's registered cache."""
+
+    @abstractmethod
+    def write_blocks(self, peer: dict[str, Any], src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                     request_id: str, timeout_s: float) -> TransferResult:
+        """Copy local blocks into the peer's blocks; returns once the peer holds them.
+
+        Raises ``TransferError`` on failure or after ``timeout_s``: nothing hangs.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop serving and release sockets or agents."""
