@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,10 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.attention_backend, config.seed)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        # torch + transformers leave ~350K tracked objects; a full GC pass over them stalls a step
+        # by ~0.45 s on this CPU. Freezing them (as vLLM does) keeps later collections short.
+        gc.collect()
+        gc.freeze()
 
     @staticmethod
     def _load(config: EngineConfig) -> tuple[LlamaModel, Tokenizer]:
