@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from kernels.bench import time_fn  # noqa: E402
 from workers.tcp_transport import TcpTransport  # noqa: E402
 
 SHAPE = (30, 2, 96, 16, 3, 64)  # 96 blocks of 737,280 bytes (all slabs)
@@ -37,13 +36,7 @@ def receiver(conn) -> None:  # type: ignore[no-untyped-def]
 
 
 def median_seconds(fn) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_fn(fn, torch.device("cpu"), REPEATS)
 
 
 def main() -> None:
