@@ -1,11 +1,13 @@
 """The one entry point for attention: picks a backend per call.
 
-``backend=None`` means Triton for CUDA tensors and torch otherwise. Triton kernels register
-themselves in ``_triton_ops`` when their module imports (see kernels/triton_*.py).
+``backend=None`` means Triton for CUDA tensors and torch otherwise. The Triton backend
+(``kernels.triton_ops``) is imported on first use, once: a machine where Triton can't load still
+runs the torch path.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from types import ModuleType
@@ -31,6 +33,7 @@ def resolve_backend(device: torch.device, backend: str | None) -> str:
     return backend
 
 
+@functools.cache  # one import attempt per process, not one per attention call
 def _triton_ops() -> ModuleType | None:
     try:
         return importlib.import_module("kernels.triton_ops")
