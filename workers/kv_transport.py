@@ -1,6 +1,6 @@
 """KV transport: moves KV blocks from a prefill worker's cache into a decode worker's cache.
 
-One small interface, several backends (``tcp`` here; ``nixl`` and ``nccl`` to come). Ownership: a
+One small interface, several backends: ``tcp`` (always available), ``nixl`` (NIXL agents over UCX). Ownership: a
 worker registers its whole KV cache once; a transfer writes source blocks into destination blocks
 that the *receiver* reserved beforehand (admission), so the receiver owns them throughout and frees
 them if the transfer fails.
@@ -49,6 +49,36 @@ def coalesce_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) ->
 def run_segments(kv_cache: torch.Tensor, start: int, num_blocks: int) -> list[torch.Tensor]:
     """The contiguous pieces of a block run, in wire order (layer-major, then K, V)."""
     return [kv_cache[layer, j, start : start + num_blocks] for layer in range(kv_cache.shape[0]) for j in (0, 1)]
+
+
+def check_cache_layout(kv_cache: torch.Tensor) -> None:
+    if not kv_cache.is_contiguous() or kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        raise ValueError("register a contiguous [layers, 2, blocks, block_size, kv_heads, head_dim] cache")
+
+
+class CacheLayout(NamedTuple):
+    """What two ends must agree on: layers, and bytes per block in one (layer, K/V) slab."""
+
+    num_layers: int
+    num_blocks: int
+    slab_block_bytes: int
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor) -> CacheLayout:
+        return cls(kv_cache.shape[0], kv_cache.shape[2], kv_cache[0, 0, 0].numel() * kv_cache.element_size())
+
+
+def layout_error(receiver: CacheLayout | None, sender: CacheLayout, dst_runs: Sequence[tuple[int, int]]) -> str | None:
+    """Why ``receiver`` cannot take these runs (``(dst_start, count)``) from ``sender``, or None."""
+    if receiver is None:
+        return "no KV cache registered on the receiving side"
+    if (sender.num_layers, sender.slab_block_bytes) != (receiver.num_layers, receiver.slab_block_bytes):
+        return (f"KV layout mismatch: sender has {sender.num_layers} layers x {sender.slab_block_bytes} bytes "
+                f"per block slab, receiver {receiver.num_layers} x {receiver.slab_block_bytes}")
+    for dst_start, count in dst_runs:
+        if dst_start < 0 or count <= 0 or dst_start + count > receiver.num_blocks:
+            return f"destination blocks {dst_start}..{dst_start + count - 1} outside 0..{receiver.num_blocks - 1}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,17 @@ from typing import Any
 import msgpack
 import torch
 
-from workers.kv_transport import BlockRun, KVTransport, TransferError, TransferResult, coalesce_runs, run_segments
+from workers.kv_transport import (
+    BlockRun,
+    CacheLayout,
+    KVTransport,
+    TransferError,
+    TransferResult,
+    check_cache_layout,
+    coalesce_runs,
+    layout_error,
+    run_segments,
+)
 
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 16 << 20
@@ -59,8 +69,7 @@ class TcpTransport(KVTransport):
 
     # ---- KVTransport ----
     def register(self, kv_cache: torch.Tensor) -> None:
-        if not kv_cache.is_contiguous() or kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-            raise ValueError("register a contiguous [layers, 2, blocks, block_size, kv_heads, head_dim] cache")
+        check_cache_layout(kv_cache)
         self.kv_cache = kv_cache
 
     def address(self) -> dict[str, Any]:
@@ -101,10 +110,6 @@ class TcpTransport(KVTransport):
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- sending ----
-    def _slab_block_bytes(self) -> int:
-        assert self.kv_cache is not None
-        return self.kv_cache[0, 0, 0].numel() * self.kv_cache.element_size()
-
     async def _send(self, peer: dict[str, Any], runs: list[BlockRun], request_id: str) -> int:
         assert self.kv_cache is not None
         loop = asyncio.get_running_loop()
@@ -114,7 +119,7 @@ class TcpTransport(KVTransport):
             await loop.sock_connect(sock, (peer["host"], int(peer["port"])))
             header = msgpack.packb({
                 "request_id": request_id, "runs": [[r.dst_start, r.num_blocks] for r in runs],
-                "slab_block_bytes": self._slab_block_bytes(), "num_layers": self.kv_cache.shape[0],
+                "layout": list(CacheLayout.of(self.kv_cache)),
             })
             await loop.sock_sendall(sock, _LEN.pack(len(header)) + header)
             await _expect_ok(loop, sock)
@@ -157,18 +162,8 @@ class TcpTransport(KVTransport):
             conn.close()
 
     def _check_header(self, header: dict[str, Any]) -> str | None:
-        if self.kv_cache is None:
-            return "no KV cache registered on the receiving side"
-        layers = self.kv_cache.shape[0]
-        if header.get("slab_block_bytes") != self._slab_block_bytes() or header.get("num_layers") != layers:
-            return (f"KV layout mismatch: sender has {header.get('num_layers')} layers x "
-                    f"{header.get('slab_block_bytes')} bytes per block slab, receiver "
-                    f"{self.kv_cache.shape[0]} x {self._slab_block_bytes()}")
-        num_blocks = self.kv_cache.shape[2]
-        for dst_start, count in header.get("runs", []):
-            if dst_start < 0 or count <= 0 or dst_start + count > num_blocks:
-                return f"destination blocks {dst_start}..{dst_start + count - 1} outside 0..{num_blocks - 1}"
-        return None
+        receiver = CacheLayout.of(self.kv_cache) if self.kv_cache is not None else None
+        return layout_error(receiver, CacheLayout(*header["layout"]), header["runs"])
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:

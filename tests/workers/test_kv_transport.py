@@ -1,0 +1,165 @@
+"""KV transports (tcp, nixl): exact block copies, coalesced runs, clear errors, no hangs."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from workers.kv_transport import BlockRun, KVTransport, TransferError, coalesce_runs
+from workers.nixl_transport import NixlTransport, nixl_available
+from workers.tcp_transport import TcpTransport
+
+SHAPE = (3, 2, 40, 4, 2, 8)  # layers, K/V, blocks, block_size, kv_heads, head_dim
+BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 missing"))]
+
+
+def make_transport(backend: str) -> KVTransport:
+    return TcpTransport() if backend == "tcp" else NixlTransport()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture
+def pair(backend):
+    a, b = make_transport(backend), make_transport(backend)
+    a.register(torch.randn(SHAPE))
+    b.register(torch.zeros(SHAPE))
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _remote_receiver(backend: str, conn) -> None:  # type: ignore[no-untyped-def]
+    transport = make_transport(backend)
+    transport.register(torch.zeros(SHAPE))
+    conn.send(transport.address())
+    conn.recv()
+
+
+@pytest.fixture
+def remote_peer(backend):
+    """A receiver in another process: (address, process)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_remote_receiver, args=(backend, child), daemon=True)
+    proc.start()
+    address = parent.recv()
+    yield address, proc
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+    proc.join(timeout=10)
+
+
+def test_coalesce_runs():
+    assert coalesce_runs([4, 5, 6, 9, 10, 2], [20, 21, 22, 7, 8, 30]) == [
+        BlockRun(4, 20, 3), BlockRun(9, 7, 2), BlockRun(2, 30, 1)]
+    assert coalesce_runs([1, 2], [5, 9]) == [BlockRun(1, 5, 1), BlockRun(2, 9, 1)]
+    with pytest.raises(ValueError):
+        coalesce_runs([1], [1, 2])
+
+
+def test_blocks_arrive_exactly_and_nothing_else_changes(pair):
+    a, b = pair
+    src, dst = [3, 4, 5, 17, 30, 31], [10, 11, 12, 0, 38, 39]
+    result = a.write_blocks(b.address(), src, dst, "req-1", timeout_s=10)
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(b.kv_cache[:, :, d], a.kv_cache[:, :, s])
+    untouched = [i for i in range(SHAPE[2]) if i not in dst]
+    assert b.kv_cache[:, :, untouched].abs().sum() == 0
+    per_block = SHAPE[0] * 2 * SHAPE[3] * SHAPE[4] * SHAPE[5] * 4
+    assert result.num_bytes == len(src) * per_block
+
+
+def test_concurrent_transfers(pair):
+    a, b = pair
+    errors = []
+
+    def send(i):
+        try:
+            a.write_blocks(b.address(), [i], [i + 20], f"r{i}", timeout_s=10)
+        except TransferError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert torch.equal(b.kv_cache[:, :, 20:36], a.kv_cache[:, :, 0:16])
+
+
+def test_layout_mismatch_and_bad_range_are_refused(pair, backend):
+    a, b = pair
+    wrong = make_transport(backend)
+    wrong.register(torch.zeros(4, 2, 40, 4, 2, 8))  # one more layer
+    with pytest.raises(TransferError, match="layout mismatch"):
+        a.write_blocks(wrong.address(), [1], [1], "r", timeout_s=5)
+    wrong.close()
+    with pytest.raises(TransferError, match="outside"):
+        a.write_blocks(b.address(), [1], [40], "r", timeout_s=5)
+
+
+def test_transfer_to_another_process(pair, remote_peer):
+    a, _ = pair
+    address, _ = remote_peer
+    result = a.write_blocks(address, list(range(10)), list(range(10, 20)), "r", timeout_s=10)
+    assert result.num_bytes > 0
+
+
+def test_killed_peer_fails_within_timeout_and_sender_keeps_serving(pair, remote_peer):
+    a, b = pair
+    address, proc = remote_peer
+    a.write_blocks(address, [0], [0], "warm", timeout_s=10)  # an established connection, then death
+    proc.kill()
+    proc.join(timeout=10)
+    t0 = time.perf_counter()
+    with pytest.raises(TransferError, match="failed|timed out"):
+        a.write_blocks(address, list(range(30)), list(range(30)), "r", timeout_s=3.0)
+    assert time.perf_counter() - t0 < 5
+    a.write_blocks(b.address(), [5], [6], "next", timeout_s=5)
+    assert torch.equal(b.kv_cache[:, :, 6], a.kv_cache[:, :, 5])
+
+
+def test_stopped_peer_never_hangs_the_sender(pair, remote_peer):
+    """A receiver that stops answering (SIGSTOP): the write finishes or fails within the timeout.
+
+    One-sided backends (nixl over shared memory) may legitimately complete without the receiver's CPU.
+    """
+    a, b = pair
+    address, proc = remote_peer
+    os.kill(proc.pid, signal.SIGSTOP)
+    t0 = time.perf_counter()
+    try:
+        a.write_blocks(address, list(range(30)), list(range(30)), "r", timeout_s=1.5)
+    except TransferError as e:
+        assert "timed out" in str(e) or "failed" in str(e)
+    assert time.perf_counter() - t0 < 4
+    a.write_blocks(b.address(), [7], [8], "next", timeout_s=5)
+    assert torch.equal(b.kv_cache[:, :, 8], a.kv_cache[:, :, 7])
+
+
+def test_tcp_unresponsive_listener_times_out():
+    a = TcpTransport()
+    a.register(torch.randn(SHAPE))
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never reads or answers
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(TransferError, match="timed out"):
+            a.write_blocks({"host": "127.0.0.1", "port": silent.getsockname()[1]}, list(range(30)),
+                           list(range(30)), "r", timeout_s=1.0)
+        assert time.perf_counter() - t0 < 3
+    finally:
+        silent.close()
+        a.close()
