@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from workers.model_loader import load_model_config, load_state_dict, resolve_mod
 from workers.model_runner import ModelRunner
 from workers.request import Request, RequestStatus
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler
+from workers.scheduler import SampledToken, Scheduler
 from workers.tokenizer import Tokenizer
 
 PromptInput = str | Sequence[int] | dict[str, Any]
@@ -48,6 +48,32 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class KVReservation:
+    """Blocks a decode worker reserved for a ``remote_prefill`` request.
+
+    ``block_ids`` cover the whole prompt; the first ``num_cached_tokens // block_size`` already hold
+    this worker's prefix cache, so only the rest need KV from the prefill worker.
+    """
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_awaiting_kv: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions_total: int
+    prefix_hit_tokens_total: int
+    prefill_tokens_total: int
+    waiting_prefill_tokens: int
 
 
 @dataclass
@@ -93,6 +119,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, eos)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.attention_backend, config.seed)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._reservations: list[KVReservation] = []
+        self.last_step_num_tokens = 0
         self._ids = itertools.count()
         # torch + transformers leave ~350K tracked objects; a full GC pass over them stalls a step
         # by ~0.45 s on this CPU. Freezing them (as vLLM does) keeps later collections short.
@@ -128,15 +156,25 @@ class Engine:
         return list(prompt)
 
     def add_request(self, prompt: PromptInput, sampling_params: SamplingParams | None = None, *,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    prefill_only: bool = False, remote_prefill: bool = False) -> str:
+        """Queue a request; returns its id.
+
+        ``prefill_only`` (prefill worker): compute the prompt, sample the first token, finish, and hold
+        the blocks until ``release_held`` (their KV is being sent). ``remote_prefill`` (decode worker):
+        reserve blocks for the prompt (see ``take_reservations``), then wait for ``commit_remote_kv``.
+        """
         params = sampling_params or SamplingParams()
         params.validate()
+        if prefill_only:  # one token, whatever the stop rules: the decode worker applies them
+            params = replace(params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True)
         token_ids = self.tokenize(prompt)
         self._check_fits(token_ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.scheduler.requests:
+        if rid in self.scheduler.requests or rid in self.scheduler.held:
             raise InvalidRequestError(f"request id {rid!r} is already running")
-        request = Request(rid, token_ids, params, cache_salt=cache_salt)
+        request = Request(rid, token_ids, params, cache_salt=cache_salt,
+                          hold_blocks_on_finish=prefill_only, remote_prefill=remote_prefill)
         self._detokenizers[rid] = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
         self.scheduler.add_request(request)
@@ -168,9 +206,55 @@ class Engine:
         self._detokenizers.pop(request_id, None)
         self.runner.release(request_id)
 
+    # ---- disaggregated prefill ----
+    def take_reservations(self) -> list[KVReservation]:
+        """Reservations made by the steps since the last call (decode worker)."""
+        out, self._reservations = self._reservations, []
+        return out
+
+    def commit_remote_kv(self, request_id: str, token_id: int, logprob: float | None) -> RequestOutput | None:
+        """The prompt's KV is in the reserved blocks: add the prefill worker's first token, join the batch.
+
+        None if the request was aborted meanwhile.
+        """
+        request = self.scheduler.commit_remote_kv(request_id, SampledToken(token_id, logprob))
+        if request is None:
+            return None
+        # The first draw of a sampled request's stream happened on the prefill worker; skip it here,
+        # so the tokens match a single engine's with the same seed.
+        self.runner.skip_sample(request)
+        return self._postprocess(request)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Blocks of a finished ``prefill_only`` request, held until ``release_held``."""
+        if request_id not in self.scheduler.held:
+            raise KeyError(request_id)
+        return self.kv_cache_manager.block_ids(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Let a prefill-only request's blocks go (they stay as evictable prefix cache)."""
+        return self.scheduler.release_held(request_id) is not None
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        return EngineStats(
+            num_waiting=len(sched.waiting), num_running=len(sched.running), num_awaiting_kv=len(sched.awaiting_kv),
+            kv_blocks_used=self.block_pool.num_used_blocks, kv_blocks_total=self.block_pool.num_blocks,
+            num_preemptions_total=sched.num_preemptions_total,
+            prefix_hit_tokens_total=sched.num_prefix_hit_tokens_total,
+            prefill_tokens_total=sched.num_prefill_tokens_total,
+            waiting_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+            + sum(r.num_tokens - r.num_computed_tokens - 1 for r in sched.running),
+        )
+
     # ---- one iteration ----
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        for request in sched.kv_reserved:
+            self._reservations.append(KVReservation(
+                request.request_id, self.kv_cache_manager.block_ids(request.request_id),
+                request.num_computed_tokens))
+        self.last_step_num_tokens = sched.num_batched_tokens
         if not sched.chunks:
             return []
         sampled = self.runner.execute(sched, self.kv_cache_manager.block_ids)

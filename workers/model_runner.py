@@ -102,6 +102,12 @@ class ModelRunner:
             self._generators[request.request_id] = gen
         return gen
 
+    def skip_sample(self, request: Request) -> None:
+        """Advance a sampled request's generator past one draw made elsewhere (its first token)."""
+        gen = self._generator(request)
+        if gen is not None:
+            torch.empty(self.model.config.vocab_size, device=self.device).exponential_(generator=gen)
+
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator (a preempted one keeps it: its stream continues)."""
         self._generators.pop(request_id, None)

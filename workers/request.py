@@ -12,6 +12,8 @@ from workers.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Blocks reserved, the prompt's KV being computed by a prefill worker (disaggregated serving).
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -45,6 +47,10 @@ class Request:
     num_preemptions: int = 0
     # Matched stop string or stop token id, when status is FINISHED_STOPPED.
     stop_reason: str | int | None = None
+    # Prefill worker side: keep the blocks after the first token until their KV has been sent.
+    hold_blocks_on_finish: bool = False
+    # Decode worker side: reserve blocks for the whole prompt; its KV and first token arrive from outside.
+    remote_prefill: bool = False
     _block_hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -5,6 +5,12 @@ Each step: running requests first (decodes, then unfinished prefill chunks), eac
 waiting requests in arrival order, each admitted only if its blocks can be reserved. When the pool
 runs short for a running request, the newest running request is preempted (its blocks freed, its
 progress recomputed later, usually from the prefix cache) and the allocation retried.
+
+Disaggregated serving adds two twists. On a decode worker a ``remote_prefill`` request is admitted
+like any other, but its blocks are reserved for the whole prompt at once and it parks in
+``awaiting_kv`` (outside the batch, never preempted) until ``commit_remote_kv`` brings its KV and first
+token. On a prefill worker a ``hold_blocks_on_finish`` request keeps its blocks in ``held`` after
+finishing, until the KV has been sent (``release_held``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class SampledToken(NamedTuple):
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # remote_prefill requests whose blocks were reserved this step (now in awaiting_kv).
+    kv_reserved: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -53,10 +61,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.awaiting_kv: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self.num_prefix_hit_tokens_total = 0
+        self.num_prefill_tokens_total = 0
 
     @property
     def has_unfinished(self) -> bool:
+        """Work that steps can advance (requests awaiting remote KV wait for ``commit_remote_kv``)."""
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> None:
@@ -70,16 +83,45 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_KV:
+            del self.awaiting_kv[request.request_id]
         else:
             self.waiting.remove(request)
         request.status = status
-        self.kv_cache.free(request)
         del self.requests[request.request_id]
+        if request.hold_blocks_on_finish and status is not RequestStatus.FINISHED_ABORTED:
+            self.held[request.request_id] = request
+        else:
+            self.kv_cache.free(request)
 
     def abort_request(self, request_id: str) -> Request | None:
+        """Abort a live request, or release a finished one's held blocks."""
         request = self.requests.get(request_id)
         if request is not None:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            return request
+        return self.release_held(request_id)
+
+    def release_held(self, request_id: str) -> Request | None:
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv_cache.free(request)
+        return request
+
+    def commit_remote_kv(self, request_id: str, token: SampledToken) -> Request | None:
+        """The prompt's KV has landed in the reserved blocks: join the batch with the first token."""
+        request = self.awaiting_kv.pop(request_id, None)
+        if request is None:
+            return None  # aborted meanwhile
+        request.remote_prefill = False  # a later preemption recomputes locally
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache.cache_full_blocks(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        request.append_output_token(token.token_id, token.logprob)
+        status = self._check_stop(request)
+        if status is not None:
+            self.finish_request(request, status)
         return request
 
     # ---- schedule ----
@@ -126,19 +168,26 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             request.num_computed_tokens = num_cached
-            num_new = self._chunk_len(request, budget)
+            remote = request.remote_prefill
+            num_new = request.num_tokens - num_cached if remote else self._chunk_len(request, budget)
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 request.num_computed_tokens = 0
                 break  # first come, first served: nobody overtakes the head
             self.waiting.popleft()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+                self.num_prefix_hit_tokens_total += num_cached
+            if remote:  # no compute here: the blocks wait for the prefill worker's KV
+                request.status = RequestStatus.WAITING_FOR_KV
+                self.awaiting_kv[request.request_id] = request
+                out.kv_reserved.append(request)
+                continue
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
             out.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
 
@@ -155,6 +204,8 @@ class Scheduler:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if chunk.num_new_tokens > 1 or request.num_output_tokens == 0:
+                self.num_prefill_tokens_total += chunk.num_new_tokens
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv_cache.cache_full_blocks(request)
             if token is None:
