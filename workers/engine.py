@@ -121,6 +121,7 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._reservations: list[KVReservation] = []
         self.last_step_num_tokens = 0
+        self.last_step_decode_only = True
         self._ids = itertools.count()
         # torch + transformers leave ~350K tracked objects; a full GC pass over them stalls a step
         # by ~0.45 s on this CPU. Freezing them (as vLLM does) keeps later collections short.
@@ -255,6 +256,7 @@ class Engine:
                 request.request_id, self.kv_cache_manager.block_ids(request.request_id),
                 request.num_computed_tokens))
         self.last_step_num_tokens = sched.num_batched_tokens
+        self.last_step_decode_only = all(c.num_new_tokens == 1 for c in sched.chunks)
         if not sched.chunks:
             return []
         sampled = self.runner.execute(sched, self.kv_cache_manager.block_ids)

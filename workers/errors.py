@@ -17,3 +17,16 @@ class ModelLoadError(TandemError):
 
 class CapacityError(InvalidRequestError):
     """The request is valid but can never fit this engine's KV pool."""
+
+
+def error_kind(error: BaseException) -> str:
+    """The kind a worker reports for a failed request (routers map it to an HTTP status)."""
+    from workers.kv_transport import TransferError  # transport imports this module
+
+    if isinstance(error, CapacityError):
+        return "capacity"
+    if isinstance(error, InvalidRequestError):
+        return "invalid_request"
+    if isinstance(error, TransferError):
+        return "transfer"
+    return "internal"

@@ -1,0 +1,44 @@
+"""Ways a decode worker reaches prefill workers: direct calls in one process, Ray actors in a cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.prefill_service import PrefillService
+from workers.protocol import PrefillRequest, PrefillResult, pack, unpack
+
+
+class LocalPrefillClient:
+    """Prefill services living in this process, by worker id (tests, single-process runs)."""
+
+    def __init__(self, services: dict[str, PrefillService] | None = None):
+        self.services = services if services is not None else {}
+
+    async def prefill(self, worker_id: str, request: PrefillRequest) -> PrefillResult:
+        return await self.services[worker_id].prefill(request)
+
+    async def cancel(self, worker_id: str, request_id: str) -> None:
+        await self.services[worker_id].cancel(request_id)
+
+
+class RayPrefillClient:
+    """Prefill workers as named Ray actors; handles are looked up once and kept."""
+
+    def __init__(self, namespace: str | None = None):
+        self.namespace = namespace
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, worker_id: str) -> Any:
+        handle = self._handles.get(worker_id)
+        if handle is None:
+            import ray
+
+            handle = self._handles[worker_id] = ray.get_actor(worker_id, namespace=self.namespace)
+        return handle
+
+    async def prefill(self, worker_id: str, request: PrefillRequest) -> PrefillResult:
+        data = await self._handle(worker_id).prefill.remote(pack(request))
+        return unpack(PrefillResult, data)
+
+    async def cancel(self, worker_id: str, request_id: str) -> None:
+        await self._handle(worker_id).cancel.remote(request_id)
