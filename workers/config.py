@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22K tokens of SmolLM2-135M KV in fp32
 
@@ -31,3 +31,15 @@ class EngineConfig:
     attention_backend: str | None = None
     # Seed of the generator used by requests that bring none.
     seed: int = 0
+
+
+@dataclass
+class WorkerResources:
+    """What one worker actor asks Ray for; custom resources pin a pool to a node type."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    # e.g. {"prefill_node": 1}: only nodes started with that resource take the worker.
+    resources: dict[str, float] = field(default_factory=dict)
+    # torch intra-op threads; None: Ray's OMP_NUM_THREADS for the actor (its num_cpus).
+    torch_threads: int | None = None

@@ -132,8 +132,8 @@ class DecodeService:
                 pass
         await self.loop.run(lambda e: e.abort(rid))
 
-    def load(self) -> WorkerLoad:
-        stats = self.loop.engine.stats()
+    async def load(self) -> WorkerLoad:
+        stats = await self.loop.run(lambda e: e.stats())
         return WorkerLoad(self.worker_id, self.role, stats.num_waiting, stats.num_running + stats.num_awaiting_kv,
                           stats.kv_blocks_used, stats.kv_blocks_total, stats.waiting_prefill_tokens,
                           stats.prefix_hit_tokens_total)

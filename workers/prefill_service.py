@@ -82,8 +82,8 @@ class PrefillService:
             self._finish(request_id, exception=PrefillCancelled(f"prefill of {request_id} cancelled"))
         return True
 
-    def load(self) -> WorkerLoad:
-        stats = self.loop.engine.stats()
+    async def load(self) -> WorkerLoad:
+        stats = await self.loop.run(lambda e: e.stats())
         return WorkerLoad(self.worker_id, self.role, stats.num_waiting, stats.num_running, stats.kv_blocks_used,
                           stats.kv_blocks_total, stats.waiting_prefill_tokens, stats.prefix_hit_tokens_total)
 

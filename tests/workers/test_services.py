@@ -86,7 +86,7 @@ def test_cancel_while_prefilling_frees_both_sides(cluster):
 
     async def run():
         task = asyncio.ensure_future(collect(decode, request(engine, "c2", long_prompt)))
-        while prefill.load().num_running == 0:  # the prefill worker has started on it
+        while (await prefill.load()).num_running == 0:  # the prefill worker has started on it
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -1,0 +1,191 @@
+"""Acceptance on local Ray (CPU, default model): prefill and decode actors with KV moved between them.
+
+Clusters: tcp 1P+2D (outputs, local prefill, 32 concurrent, cancel, dead/stopped decode worker) and
+nixl 1P+1D (outputs). Every output is compared with a single engine's greedy output in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+
+from tests.prompts import reference_prompts, text_of_tokens
+from workers.config import EngineConfig, WorkerResources
+from workers.nixl_transport import nixl_available
+from workers.protocol import GenerateRequest, PrefillRequest, TokenChunk, WorkerLoad, pack, sampling_to_dict, unpack
+from workers.sampling_params import SamplingParams
+
+ray = pytest.importorskip("ray")
+from workers.actors import start_decode_worker, start_prefill_worker, stream_generate  # noqa: E402
+
+pytestmark = pytest.mark.slow
+NAMESPACE = "tandem-test"
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+KV_BYTES = 256 << 20  # ~5.8K tokens per worker
+RESOURCES = WorkerResources(num_cpus=1, torch_threads=2)  # 2 cores here; one request at a time
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=8, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    yield
+    ray.shutdown()
+
+
+def start_cluster(transport: str, num_decode: int, tag: str) -> tuple[object, list[object]]:
+    config = EngineConfig(kv_cache_bytes=KV_BYTES)
+    prefill = start_prefill_worker(f"{tag}-p0", config, RESOURCES, transport, NAMESPACE)
+    decodes = [start_decode_worker(f"{tag}-d{i}", config, RESOURCES, transport, NAMESPACE, transfer_timeout_s=5.0)
+               for i in range(num_decode)]
+    ray.get([w.ready.remote() for w in [prefill, *decodes]], timeout=300)
+    return prefill, decodes
+
+
+@pytest.fixture(scope="module")
+def tcp_cluster(ray_cluster):
+    prefill, decodes = start_cluster("tcp", 2, "tcp")
+    yield prefill, decodes
+    for w in [prefill, *decodes]:
+        ray.kill(w)
+
+
+@pytest.fixture(scope="module")
+def expected(make_engine):
+    """Prompts (token ids) and the single engine's greedy outputs."""
+    engine = make_engine()
+    prompts = [engine.tokenize(p) for p in reference_prompts(engine.tokenizer)]
+    assert min(map(len, prompts)) <= 10 and max(map(len, prompts)) >= 1400
+    return prompts, [r.token_ids for r in engine.generate(prompts, GREEDY)]
+
+
+def generate(decode, rid: str, prompt_ids: list[int], prefill_worker: str | None,
+             params: SamplingParams = GREEDY) -> list[TokenChunk]:
+    async def run() -> list[TokenChunk]:
+        req = GenerateRequest(rid, prompt_ids, sampling_to_dict(params), None, prefill_worker)
+        return [c async for c in stream_generate(decode, req)]
+
+    return asyncio.run(run())
+
+
+def used_blocks(*workers) -> list[int]:
+    return ray.get([w.num_used_blocks.remote() for w in workers])
+
+
+def check_outputs(decode, prefill_worker: str | None, expected, tag: str) -> None:
+    prompts, outputs = expected
+    for i, (prompt, want) in enumerate(zip(prompts, outputs, strict=True)):
+        chunks = generate(decode, f"{tag}-{i}", prompt, prefill_worker)
+        assert chunks[-1].error is None, chunks[-1].error
+        assert [t for c in chunks for t in c.token_ids] == want, f"prompt {i} ({len(prompt)} tokens)"
+
+
+def test_tcp_outputs_equal_single_engine(tcp_cluster, expected):
+    prefill, (d0, _) = tcp_cluster
+    check_outputs(d0, "tcp-p0", expected, "tcp")
+    load = unpack(WorkerLoad, ray.get(prefill.load.remote()))
+    assert load.role == "prefill"
+    metrics = ray.get(prefill.metrics.remote()).decode()
+    assert "tandem_kv_transfer_bytes_total" in metrics and "tandem_prefill_tokens_total" in metrics
+
+
+def test_local_prefill_outputs_equal_single_engine(tcp_cluster, expected):
+    _, (_, d1) = tcp_cluster
+    check_outputs(d1, None, expected, "local")
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 missing")
+def test_nixl_outputs_equal_single_engine(ray_cluster, expected):
+    prefill, (d0,) = start_cluster("nixl", 1, "nixl")
+    try:
+        check_outputs(d0, "nixl-p0", expected, "nixl")
+        assert used_blocks(prefill, d0) == [0, 0]
+    finally:
+        for w in (prefill, d0):
+            ray.kill(w)
+
+
+def test_32_concurrent_requests_over_1p2d_leave_no_block_held(tcp_cluster, make_engine):
+    prefill, decodes = tcp_cluster
+    tokenizer = make_engine().tokenizer
+    prompts = [tokenizer.encode(text_of_tokens(tokenizer, 20 + 7 * i, seed=i)) for i in range(32)]
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=1)
+
+    async def run() -> list[list[TokenChunk]]:
+        async def one(i: int) -> list[TokenChunk]:
+            req = GenerateRequest(f"c32-{i}", prompts[i], sampling_to_dict(params), None, "tcp-p0")
+            return [c async for c in stream_generate(decodes[i % 2], req)]
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert all(r[-1].finished and r[-1].error is None and r[-1].num_output_tokens == 12 for r in results)
+    assert used_blocks(prefill, *decodes) == [0, 0, 0]
+
+
+def test_cancel_while_decoding_and_while_prefilling(tcp_cluster, make_engine):
+    prefill, (d0, _) = tcp_cluster
+    tokenizer = make_engine().tokenizer
+    long_prompt = tokenizer.encode(text_of_tokens(tokenizer, 1500, seed=11))
+
+    async def cancel_after(num_chunks: int, prompt: list[int], rid: str, wait_for_prefill: bool) -> None:
+        req = GenerateRequest(rid, prompt, sampling_to_dict(SamplingParams(max_tokens=500, ignore_eos=True)),
+                              None, "tcp-p0")
+        stream = stream_generate(d0, req)
+        if wait_for_prefill:
+            task = asyncio.ensure_future(anext(stream))
+            while unpack(WorkerLoad, await prefill.load.remote()).num_running == 0:
+                await asyncio.sleep(0.02)
+            task.cancel()  # the stream's own cleanup cancels the Ray task
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        else:
+            for _ in range(num_chunks):
+                await anext(stream)
+        await stream.aclose()
+
+    asyncio.run(cancel_after(3, long_prompt[:50], "cancel-decode", wait_for_prefill=False))
+    wait_until(lambda: used_blocks(d0) == [0])
+    asyncio.run(cancel_after(0, long_prompt, "cancel-prefill", wait_for_prefill=True))
+    wait_until(lambda: used_blocks(prefill, d0) == [0, 0])
+
+
+def wait_until(condition, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("failure", ["killed", "stopped"])
+def test_transfer_to_a_dead_or_silent_decode_worker_fails_in_time(tcp_cluster, make_engine, failure):
+    prefill, (d0, _) = tcp_cluster
+    victim = start_decode_worker(f"victim-{failure}", EngineConfig(kv_cache_bytes=KV_BYTES), RESOURCES, "tcp",
+                                 NAMESPACE)
+    info = ray.get(victim.ready.remote(), timeout=300)
+    if failure == "killed":
+        ray.kill(victim)
+        time.sleep(1)
+    else:
+        os.kill(info["pid"], signal.SIGSTOP)
+    tokenizer = make_engine().tokenizer
+    prompt = tokenizer.encode(text_of_tokens(tokenizer, 200, seed=3))
+    nblocks = -(-len(prompt) // 16)
+    request = PrefillRequest("to-victim", prompt, sampling_to_dict(GREEDY), None, info["kv_address"],
+                             list(range(nblocks)), 0, timeout_s=3.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Exception, match="transfer to-victim .*(failed|timed out)"):
+            ray.get(prefill.prefill.remote(pack(request)), timeout=30)
+        assert time.monotonic() - t0 < 3.0 + 10  # the timeout, plus the prefill itself on this CPU
+    finally:
+        if failure == "stopped":
+            os.kill(info["pid"], signal.SIGCONT)
+            ray.kill(victim)
+    chunks = generate(d0, "after-victim", prompt, "tcp-p0")  # the prefill worker keeps serving
+    assert chunks[-1].error is None and chunks[-1].num_output_tokens == GREEDY.max_tokens
+    wait_until(lambda: used_blocks(prefill) == [0])

@@ -1,0 +1,131 @@
+"""Thin Ray actors around the prefill and decode services (the logic lives in the services).
+
+    p = start_prefill_worker("prefill-0", EngineConfig(), WorkerResources(num_gpus=1), transport="nixl")
+    d = start_decode_worker("decode-0", EngineConfig(), WorkerResources(num_gpus=1), transport="nixl")
+    async for chunk in stream_generate(d, GenerateRequest(..., prefill_worker="prefill-0")): ...
+
+Actors are named (their worker id) so decode workers find prefill workers by id. Messages cross as
+msgpack bytes (``workers.protocol``); the decode worker's ``generate`` is a Ray streaming generator,
+and cancelling it (``ray.cancel``) cancels the request on every worker it touched.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+
+from workers.config import EngineConfig, WorkerResources
+from workers.decode_service import DecodeService
+from workers.engine import Engine
+from workers.kv_transport import KVTransport
+from workers.prefill_clients import RayPrefillClient
+from workers.prefill_service import PrefillService
+from workers.protocol import GenerateRequest, PrefillRequest, TokenChunk, pack, unpack
+
+TRANSPORTS = ("tcp", "nixl")
+
+
+def make_transport(backend: str, device: str = "cpu") -> KVTransport:
+    if backend == "tcp":
+        from workers.tcp_transport import TcpTransport
+
+        return TcpTransport(host=ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
+    if backend == "nixl":
+        from workers.nixl_transport import NixlTransport
+
+        return NixlTransport(device=device)
+    raise ValueError(f"unknown KV transport {backend!r}; choose one of {', '.join(TRANSPORTS)}")
+
+
+def _build(engine_config: EngineConfig, resources: WorkerResources, transport: str) -> tuple[Engine, KVTransport]:
+    if resources.torch_threads:
+        import torch
+
+        torch.set_num_threads(resources.torch_threads)
+    engine = Engine(engine_config)
+    return engine, make_transport(transport, engine.runner.device.type)
+
+
+class _WorkerBase:
+    service: PrefillService | DecodeService
+
+    def ready(self) -> dict[str, Any]:
+        return {"worker_id": self.service.worker_id, "role": self.service.role, "pid": os.getpid(),
+                "kv_address": self.service.transport.address()}
+
+    async def load(self) -> bytes:
+        return pack(await self.service.load())
+
+    def metrics(self) -> bytes:
+        return self.service.metrics.exposition()
+
+    async def num_used_blocks(self) -> int:
+        """KV blocks held by requests (evictable prefix cache excluded)."""
+        return await self.service.loop.run(lambda e: e.block_pool.num_used_blocks)
+
+    def shutdown(self) -> None:
+        self.service.close()
+
+
+class PrefillWorker(_WorkerBase):
+    service: PrefillService
+
+    def __init__(self, worker_id: str, engine_config: EngineConfig, resources: WorkerResources, transport: str):
+        engine, kv_transport = _build(engine_config, resources, transport)
+        self.service = PrefillService(engine, kv_transport, worker_id)
+
+    async def prefill(self, data: bytes) -> bytes:
+        return pack(await self.service.prefill(unpack(PrefillRequest, data)))
+
+    async def cancel(self, request_id: str) -> bool:
+        return await self.service.cancel(request_id)
+
+
+class DecodeWorker(_WorkerBase):
+    service: DecodeService
+
+    def __init__(self, worker_id: str, engine_config: EngineConfig, resources: WorkerResources, transport: str,
+                 namespace: str | None = None, transfer_timeout_s: float = 30.0):
+        engine, kv_transport = _build(engine_config, resources, transport)
+        self.service = DecodeService(engine, kv_transport, worker_id, RayPrefillClient(namespace),
+                                     transfer_timeout_s)
+
+    async def generate(self, data: bytes) -> AsyncIterator[bytes]:
+        async for chunk in self.service.generate(unpack(GenerateRequest, data)):
+            yield pack(chunk)
+
+
+def actor_options(worker_id: str, resources: WorkerResources, namespace: str | None) -> dict[str, Any]:
+    return {"name": worker_id, "namespace": namespace, "num_cpus": resources.num_cpus,
+            "num_gpus": resources.num_gpus, "resources": dict(resources.resources),
+            "max_concurrency": 10_000, "max_restarts": 0}
+
+
+def start_prefill_worker(worker_id: str, engine_config: EngineConfig, resources: WorkerResources,
+                         transport: str = "tcp", namespace: str | None = None) -> Any:
+    cls = ray.remote(PrefillWorker).options(**actor_options(worker_id, resources, namespace))
+    return cls.remote(worker_id, engine_config, resources, transport)
+
+
+def start_decode_worker(worker_id: str, engine_config: EngineConfig, resources: WorkerResources,
+                        transport: str = "tcp", namespace: str | None = None, transfer_timeout_s: float = 30.0) -> Any:
+    cls = ray.remote(DecodeWorker).options(**actor_options(worker_id, resources, namespace))
+    return cls.remote(worker_id, engine_config, resources, transport, namespace,
+                      transfer_timeout_s)
+
+
+async def stream_generate(decode_worker: Any, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    """Stream a request's chunks from a decode worker actor; closing the iterator cancels the request."""
+    refs = decode_worker.generate.options(num_returns="streaming").remote(pack(request))
+    finished = False
+    try:
+        async for ref in refs:
+            chunk = unpack(TokenChunk, await ref)
+            finished = chunk.finished
+            yield chunk
+    finally:
+        if not finished:
+            ray.cancel(refs)
