@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from workers.engine import Engine, KVReservation, RequestOutput
 
 T = TypeVar("T")
@@ -38,6 +40,9 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], concurrent.futures.Future[Any]] | None] = (
             queue.SimpleQueue())
         self._stopping = False
+        # OpenMP thread counts are per calling thread: a new thread starts from OMP_NUM_THREADS (Ray
+        # sets it to the actor's num_cpus), not from torch.set_num_threads of the thread that built us.
+        self._num_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -60,6 +65,7 @@ class EngineLoop:
         self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)
         engine = self.engine
         idle = True
         while not self._stopping:

@@ -32,6 +32,8 @@ from workers.kv_transport import (
     layout_error,
 )
 
+_PROGRESS_INTERVAL_S = 0.001
+
 
 def nixl_available() -> bool:
     try:
@@ -60,13 +62,26 @@ class NixlTransport(KVTransport):
             # UCX_TLS wins; GPU caches leave the choice to UCX (NVLink, RDMA, cuda_ipc).
             os.environ.setdefault("UCX_TLS", "cma,tcp,self")
         self.name = name or f"tandem-{uuid.uuid4().hex[:12]}"
-        config = nixl.nixl_agent_config(backends=["UCX"],
+        # NIXL's own progress thread busy-polls (no delay between passes): an idle agent burns a whole
+        # core, which on a small CPU host halves the prefill next to it. A 1 ms progress loop of
+        # ours costs ~4% of a core and moved 64 MiB faster here (the sender also progresses while it
+        # polls its transfer).
+        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                         sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = nixl.nixl_agent(self.name, config)
         self._lock = threading.Lock()  # the Python wrapper keeps state of its own; calls stay serial
         self._remote_agents: set[str] = set()
         self._registered: Any = None
         self.kv_cache: torch.Tensor | None = None
+        self._closed = threading.Event()
+        self._progress_thread = threading.Thread(target=self._progress, name=f"{self.name}-progress", daemon=True)
+        self._progress_thread.start()
+
+    def _progress(self) -> None:
+        """Serve peers' connection set-up and writes into our memory (UCX needs the target to progress)."""
+        while not self._closed.wait(_PROGRESS_INTERVAL_S):
+            with self._lock:
+                self._agent.get_new_notifs()
 
     # ---- KVTransport ----
     def register(self, kv_cache: torch.Tensor) -> None:
@@ -104,6 +119,8 @@ class NixlTransport(KVTransport):
         return TransferResult(request_id, int(local[:, 1].sum()), time.perf_counter() - t0)
 
     def close(self) -> None:
+        self._closed.set()
+        self._progress_thread.join(timeout=5)
         with self._lock:
             for agent in self._remote_agents:
                 self._agent.remove_remote_agent(agent)

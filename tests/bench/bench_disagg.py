@@ -1,0 +1,107 @@
+"""TTFT of a 1,000-token prompt through 1 prefill + 1 decode Ray actor, against one engine (idle system).
+
+    .venv/bin/python tests/bench/bench_disagg.py [--repeats 5]
+
+Each repeat uses a fresh prompt (no prefix-cache hits anywhere). The single engine runs in this
+process; the workers are local Ray actors on the same CPU, each with the same torch thread count,
+and only one request is in flight at a time. Prints medians and the overhead ratio per transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from tests.prompts import text_of_tokens  # noqa: E402
+from workers.actors import start_decode_worker, start_prefill_worker, stream_generate  # noqa: E402
+from workers.config import EngineConfig, WorkerResources  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+from workers.nixl_transport import nixl_available  # noqa: E402
+from workers.protocol import GenerateRequest, sampling_to_dict  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
+
+PROMPT_TOKENS = 1000
+THREADS = os.cpu_count() or 1
+CONFIG = EngineConfig(kv_cache_bytes=256 << 20)
+PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def prompts(engine: Engine, repeats: int, offset: int) -> list[list[int]]:
+    """Prompts that share no leading block with any other (the request number comes first)."""
+    tok = engine.tokenizer
+    return [tok.encode(f"Request {offset + i}. " + text_of_tokens(tok, PROMPT_TOKENS, seed=i))[:PROMPT_TOKENS]
+            for i in range(repeats)]
+
+
+def engine_ttft(engine: Engine, prompt: list[int]) -> float:
+    t0 = time.perf_counter()
+    engine.add_request(prompt, PARAMS)
+    while not any(out.new_token_ids for out in engine.step()):
+        pass
+    seconds = time.perf_counter() - t0
+    while engine.has_unfinished:
+        engine.step()
+    return seconds
+
+
+def disagg_ttft(decode: object, prompt: list[int], rid: str, prefill_worker: str | None) -> float:
+    async def run() -> float:
+        t0 = time.perf_counter()
+        stream = stream_generate(decode, GenerateRequest(rid, prompt, sampling_to_dict(PARAMS), None, prefill_worker))
+        await anext(stream)
+        seconds = time.perf_counter() - t0
+        async for _ in stream:
+            pass
+        return seconds
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(THREADS)
+    engine = Engine(CONFIG)
+    engine_ttft(engine, prompts(engine, 1, 999)[0])  # warm-up
+    rows = [("one engine (this process)", statistics.median(
+        engine_ttft(engine, p) for p in prompts(engine, args.repeats, 0)))]
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    resources = WorkerResources(num_cpus=1, torch_threads=THREADS)
+    for i, transport in enumerate(["tcp"] + (["nixl"] if nixl_available() else [])):
+        prefill = start_prefill_worker(f"bench-p-{transport}", CONFIG, resources, transport)
+        decode = start_decode_worker(f"bench-d-{transport}", CONFIG, resources, transport)
+        ray.get([prefill.ready.remote(), decode.ready.remote()])
+        disagg_ttft(decode, prompts(engine, 1, 500 + i)[0], f"warm-{transport}", f"bench-p-{transport}")
+        times = [disagg_ttft(decode, p, f"{transport}-{j}", f"bench-p-{transport}")
+                 for j, p in enumerate(prompts(engine, args.repeats, 100 * (i + 1)))]
+        rows.append((f"1P+1D Ray actors, {transport}", statistics.median(times)))
+        if i == 0:
+            local_prompts = prompts(engine, args.repeats, 50)
+            local = [disagg_ttft(decode, p, f"local-{j}", None) for j, p in enumerate(local_prompts)]
+            rows.append(("decode actor, local prefill", statistics.median(local)))
+        ray.kill(prefill)
+        ray.kill(decode)
+    ray.shutdown()
+    base = rows[0][1]
+    print(f"TTFT of a {PROMPT_TOKENS}-token prompt, median of {args.repeats}, {THREADS} torch threads")
+    print("| path | TTFT | vs one engine | target |")
+    print("| --- | --- | --- | --- |")
+    for name, seconds in rows:
+        target = "<= 1.15x" if name.startswith("1P+1D") else ""
+        print(f"| {name} | {seconds * 1e3:.0f} ms | {seconds / base:.2f}x | {target} |")
+
+
+if __name__ == "__main__":
+    main()
