@@ -98,7 +98,7 @@ class DecodeWorker(_WorkerBase):
             yield pack(chunk)
 
 
-def actor_options(worker_id: str, resources: WorkerResources, namespace: str | None) -> dict[str, Any]:
+def actor_options(worker_id: str, resources: WorkerResources, namespace: str) -> dict[str, Any]:
     return {"name": worker_id, "namespace": namespace, "num_cpus": resources.num_cpus,
             "num_gpus": resources.num_gpus, "resources": dict(resources.resources),
             "max_concurrency": 10_000, "max_restarts": 0}
@@ -106,15 +106,25 @@ def actor_options(worker_id: str, resources: WorkerResources, namespace: str | N
 
 def start_prefill_worker(worker_id: str, engine_config: EngineConfig, resources: WorkerResources,
                          transport: str = "tcp", namespace: str | None = None) -> Any:
-    cls = ray.remote(PrefillWorker).options(**actor_options(worker_id, resources, namespace))
+    cls = ray.remote(PrefillWorker).options(**actor_options(worker_id, resources, _namespace(namespace)))
     return cls.remote(worker_id, engine_config, resources, transport)
 
 
 def start_decode_worker(worker_id: str, engine_config: EngineConfig, resources: WorkerResources,
                         transport: str = "tcp", namespace: str | None = None, transfer_timeout_s: float = 30.0) -> Any:
+    namespace = _namespace(namespace)
     cls = ray.remote(DecodeWorker).options(**actor_options(worker_id, resources, namespace))
     return cls.remote(worker_id, engine_config, resources, transport, namespace,
                       transfer_timeout_s)
+
+
+def _namespace(namespace: str | None) -> str:
+    """An explicit namespace: inside an actor, None would not find the driver's named actors."""
+    if namespace is not None:
+        return namespace
+    if not ray.is_initialized():
+        ray.init()
+    return ray.get_runtime_context().namespace
 
 
 async def stream_generate(decode_worker: Any, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
