@@ -20,24 +20,10 @@ import ray
 from workers.config import EngineConfig, WorkerResources
 from workers.decode_service import DecodeService
 from workers.engine import Engine
-from workers.kv_transport import KVTransport
+from workers.kv_transport import KVTransport, make_transport
 from workers.prefill_clients import RayPrefillClient
 from workers.prefill_service import PrefillService
 from workers.protocol import GenerateRequest, PrefillRequest, TokenChunk, pack, unpack
-
-TRANSPORTS = ("tcp", "nixl")
-
-
-def make_transport(backend: str, device: str = "cpu") -> KVTransport:
-    if backend == "tcp":
-        from workers.tcp_transport import TcpTransport
-
-        return TcpTransport(host=ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
-    if backend == "nixl":
-        from workers.nixl_transport import NixlTransport
-
-        return NixlTransport(device=device)
-    raise ValueError(f"unknown KV transport {backend!r}; choose one of {', '.join(TRANSPORTS)}")
 
 
 def _build(engine_config: EngineConfig, resources: WorkerResources, transport: str) -> tuple[Engine, KVTransport]:
@@ -46,7 +32,8 @@ def _build(engine_config: EngineConfig, resources: WorkerResources, transport: s
 
         torch.set_num_threads(resources.torch_threads)
     engine = Engine(engine_config)
-    return engine, make_transport(transport, engine.runner.device.type)
+    host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    return engine, make_transport(transport, host, engine.runner.device.type)
 
 
 class _WorkerBase:

@@ -115,3 +115,19 @@ class KVTransport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop serving and release sockets or agents."""
+
+
+TRANSPORTS = ("tcp", "nixl")
+
+
+def make_transport(backend: str, host: str = "127.0.0.1", device: str = "cpu") -> KVTransport:
+    """A transport by name; ``host`` is where a tcp transport listens, ``device`` where the cache lives."""
+    if backend == "tcp":
+        from workers.tcp_transport import TcpTransport  # backends import this module
+
+        return TcpTransport(host=host)
+    if backend == "nixl":
+        from workers.nixl_transport import NixlTransport
+
+        return NixlTransport(device=device)
+    raise ValueError(f"unknown KV transport {backend!r}; choose one of {', '.join(TRANSPORTS)}")

@@ -20,18 +20,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels.bench import time_fn  # noqa: E402
-from workers.kv_transport import KVTransport  # noqa: E402
-from workers.nixl_transport import NixlTransport, nixl_available  # noqa: E402
-from workers.tcp_transport import TcpTransport  # noqa: E402
+from workers.kv_transport import make_transport  # noqa: E402
+from workers.nixl_transport import nixl_available  # noqa: E402
 
 SHAPE = (30, 2, 96, 16, 3, 64)  # 96 blocks of 737,280 bytes (all slabs)
 NUM_BLOCKS = 89  # 89 x 737,280 bytes = 62.6 MiB ~ 64 MiB
 REPEATS = 7
 TARGETS = {"tcp": ">= 0.4x", "nixl": ">= 0.7x"}
-
-
-def make_transport(backend: str) -> KVTransport:
-    return TcpTransport() if backend == "tcp" else NixlTransport()
 
 
 def receiver(backend: str, conn) -> None:  # type: ignore[no-untyped-def]

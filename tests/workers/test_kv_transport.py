@@ -12,16 +12,12 @@ import time
 import pytest
 import torch
 
-from workers.kv_transport import BlockRun, KVTransport, TransferError, coalesce_runs
-from workers.nixl_transport import NixlTransport, nixl_available
+from workers.kv_transport import BlockRun, TransferError, coalesce_runs, make_transport
+from workers.nixl_transport import nixl_available
 from workers.tcp_transport import TcpTransport
 
 SHAPE = (3, 2, 40, 4, 2, 8)  # layers, K/V, blocks, block_size, kv_heads, head_dim
 BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 missing"))]
-
-
-def make_transport(backend: str) -> KVTransport:
-    return TcpTransport() if backend == "tcp" else NixlTransport()
 
 
 @pytest.fixture(params=BACKENDS)
