@@ -20,6 +20,7 @@ import ray
 from workers.config import EngineConfig, WorkerResources
 from workers.decode_service import DecodeService
 from workers.engine import Engine
+from workers.engine_service import EngineService
 from workers.kv_transport import KVTransport, make_transport
 from workers.prefill_clients import RayPrefillClient
 from workers.prefill_service import PrefillService
@@ -37,7 +38,7 @@ def _build(engine_config: EngineConfig, resources: WorkerResources, transport: s
 
 
 class _WorkerBase:
-    service: PrefillService | DecodeService
+    service: EngineService
 
     def ready(self) -> dict[str, Any]:
         return {"worker_id": self.service.worker_id, "role": self.service.role, "pid": os.getpid(),

@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from workers.engine import Engine, KVReservation, RequestOutput
-from workers.engine_loop import EngineLoop
+from workers.engine_service import EngineService
 from workers.errors import error_kind
 from workers.kv_transport import KVTransport
-from workers.metrics import WorkerMetrics
-from workers.protocol import GenerateRequest, PrefillRequest, PrefillResult, TokenChunk, WorkerLoad, sampling_from_dict
+from workers.protocol import GenerateRequest, PrefillRequest, PrefillResult, TokenChunk, sampling_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +45,15 @@ class _Stream:
     reserved: asyncio.Future[KVReservation] | None = None
 
 
-class DecodeService:
+class DecodeService(EngineService):
     role = "decode"
 
     def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, prefill_client: PrefillClient | None,
                  transfer_timeout_s: float = 30.0):
-        self.worker_id = worker_id
-        self.transport = transport
-        transport.register(engine.runner.kv_cache)
         self.prefill_client = prefill_client
         self.transfer_timeout_s = transfer_timeout_s
-        self.metrics = WorkerMetrics(worker_id, self.role)
         self._streams: dict[str, _Stream] = {}
-        self.loop = EngineLoop(engine, self._on_outputs, self._on_reservations, self._on_step, self._on_fatal,
-                               name=f"{worker_id}-engine")
+        super().__init__(engine, transport, worker_id, self._on_reservations)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         rid = request.request_id
@@ -88,8 +82,6 @@ class DecodeService:
                 prefill_call = asyncio.ensure_future(self._prefill(request, reservation))
                 try:
                     result = await asyncio.shield(prefill_call)
-                except asyncio.CancelledError:
-                    raise
                 except Exception as e:  # noqa: BLE001 - the stream ends with the reason
                     await self.loop.run(lambda eng: eng.abort(rid))
                     finished = True
@@ -132,16 +124,6 @@ class DecodeService:
                 pass
         await self.loop.run(lambda e: e.abort(rid))
 
-    async def load(self) -> WorkerLoad:
-        stats = await self.loop.run(lambda e: e.stats())
-        return WorkerLoad(self.worker_id, self.role, stats.num_waiting, stats.num_running + stats.num_awaiting_kv,
-                          stats.kv_blocks_used, stats.kv_blocks_total, stats.waiting_prefill_tokens,
-                          stats.prefix_hit_tokens_total)
-
-    def close(self) -> None:
-        self.loop.stop()
-        self.transport.close()
-
     # ---- chunks ----
     def _chunk(self, out: RequestOutput) -> TokenChunk:
         if out.finished and out.finish_reason:
@@ -157,10 +139,6 @@ class DecodeService:
         return TokenChunk(request_id, finished=True, finish_reason="error", error=message, error_kind=kind)
 
     # ---- engine thread ----
-    def _on_step(self, engine: Engine, seconds: float) -> None:
-        self.metrics.observe_step(seconds, engine.last_step_decode_only)
-        self.metrics.update(engine.stats())
-
     def _on_outputs(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -73,7 +73,6 @@ class EngineStats:
     num_preemptions_total: int
     prefix_hit_tokens_total: int
     prefill_tokens_total: int
-    waiting_prefill_tokens: int
 
 
 @dataclass
@@ -244,9 +243,13 @@ class Engine:
             num_preemptions_total=sched.num_preemptions_total,
             prefix_hit_tokens_total=sched.num_prefix_hit_tokens_total,
             prefill_tokens_total=sched.num_prefill_tokens_total,
-            waiting_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-            + sum(r.num_tokens - r.num_computed_tokens - 1 for r in sched.running),
         )
+
+    def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute (a load figure for routers; walks every request, so not per step)."""
+        sched = self.scheduler
+        return (sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+                + sum(r.num_tokens - r.num_computed_tokens - 1 for r in sched.running))
 
     # ---- one iteration ----
     def step(self) -> list[RequestOutput]:

@@ -17,11 +17,10 @@ import threading
 from dataclasses import dataclass, field
 
 from workers.engine import Engine, RequestOutput
-from workers.engine_loop import EngineLoop
+from workers.engine_service import EngineService
 from workers.errors import TandemError, error_kind
 from workers.kv_transport import KVTransport, TransferError
-from workers.metrics import WorkerMetrics
-from workers.protocol import PrefillRequest, PrefillResult, WorkerLoad, sampling_from_dict
+from workers.protocol import PrefillRequest, PrefillResult, sampling_from_dict
 
 
 class PrefillCancelled(TandemError):
@@ -36,19 +35,14 @@ class _Pending:
     cancelled: bool = False
 
 
-class PrefillService:
+class PrefillService(EngineService):
     role = "prefill"
 
     def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, max_concurrent_transfers: int = 4):
-        self.worker_id = worker_id
-        self.transport = transport
-        transport.register(engine.runner.kv_cache)
-        self.metrics = WorkerMetrics(worker_id, self.role)
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()  # _pending is shared by the asyncio, engine and transfer threads
         self._transfers = concurrent.futures.ThreadPoolExecutor(max_concurrent_transfers, f"{worker_id}-kv")
-        self.loop = EngineLoop(engine, self._on_outputs, on_step=self._on_step, on_fatal=self._on_fatal,
-                               name=f"{worker_id}-engine")
+        super().__init__(engine, transport, worker_id)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         rid = request.request_id
@@ -82,21 +76,11 @@ class PrefillService:
             self._finish(request_id, exception=PrefillCancelled(f"prefill of {request_id} cancelled"))
         return True
 
-    async def load(self) -> WorkerLoad:
-        stats = await self.loop.run(lambda e: e.stats())
-        return WorkerLoad(self.worker_id, self.role, stats.num_waiting, stats.num_running, stats.kv_blocks_used,
-                          stats.kv_blocks_total, stats.waiting_prefill_tokens, stats.prefix_hit_tokens_total)
-
     def close(self) -> None:
-        self.loop.stop()
         self._transfers.shutdown(wait=True, cancel_futures=True)
-        self.transport.close()
+        super().close()
 
     # ---- engine thread ----
-    def _on_step(self, engine: Engine, seconds: float) -> None:
-        self.metrics.observe_step(seconds, engine.last_step_decode_only)
-        self.metrics.update(engine.stats())
-
     def _on_outputs(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if not out.finished:
@@ -120,6 +104,7 @@ class PrefillService:
     # ---- transfer threads ----
     def _transfer(self, pending: _Pending, src: list[int], first: RequestOutput) -> None:
         req = pending.request
+        result, error = None, None
         try:
             if len(src) != len(req.dst_block_ids):
                 raise TransferError(f"request {req.request_id}: {len(src)} prompt blocks to send, the decode worker "
@@ -127,10 +112,12 @@ class PrefillService:
             result = self.transport.write_blocks(req.kv_destination, src, req.dst_block_ids, req.request_id,
                                                  req.timeout_s)
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
-            self.loop.call(lambda eng: eng.release_held(req.request_id))
-            self._finish(req.request_id, exception=e)
-            return
+            error = e
+        # Release before answering: once the caller hears back, the blocks are evictable cache again.
         self.loop.call(lambda eng: eng.release_held(req.request_id))
+        if result is None:
+            self._finish(req.request_id, exception=error)
+            return
         self.metrics.observe_transfer(result.num_bytes, result.seconds)
         self._finish(req.request_id, PrefillResult(
             req.request_id, first.new_token_ids[0], first.new_logprobs[0] if first.new_logprobs else None,
