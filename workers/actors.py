@@ -11,8 +11,9 @@ and cancelling it (``ray.cancel``) cancels the request on every worker it touche
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import ray
@@ -25,6 +26,7 @@ from workers.kv_transport import KVTransport, make_transport
 from workers.prefill_clients import RayPrefillClient
 from workers.prefill_service import PrefillService
 from workers.protocol import GenerateRequest, PrefillRequest, TokenChunk, pack, unpack
+from workers.publisher import PublishConfig
 
 
 def _build(engine_config: EngineConfig, resources: WorkerResources, transport: str) -> tuple[Engine, KVTransport]:
@@ -61,9 +63,10 @@ class _WorkerBase:
 class PrefillWorker(_WorkerBase):
     service: PrefillService
 
-    def __init__(self, worker_id: str, engine_config: EngineConfig, resources: WorkerResources, transport: str):
+    def __init__(self, worker_id: str, engine_config: EngineConfig, resources: WorkerResources, transport: str,
+                 publish: PublishConfig | None = None):
         engine, kv_transport = _build(engine_config, resources, transport)
-        self.service = PrefillService(engine, kv_transport, worker_id)
+        self.service = PrefillService(engine, kv_transport, worker_id, publish=publish)
 
     async def prefill(self, data: bytes) -> bytes:
         return pack(await self.service.prefill(unpack(PrefillRequest, data)))
@@ -76,10 +79,11 @@ class DecodeWorker(_WorkerBase):
     service: DecodeService
 
     def __init__(self, worker_id: str, engine_config: EngineConfig, resources: WorkerResources, transport: str,
-                 namespace: str | None = None, transfer_timeout_s: float = 30.0):
+                 namespace: str | None = None, transfer_timeout_s: float = 30.0,
+                 publish: PublishConfig | None = None):
         engine, kv_transport = _build(engine_config, resources, transport)
         self.service = DecodeService(engine, kv_transport, worker_id, RayPrefillClient(namespace),
-                                     transfer_timeout_s)
+                                     transfer_timeout_s, publish)
 
     async def generate(self, data: bytes) -> AsyncIterator[bytes]:
         async for chunk in self.service.generate(unpack(GenerateRequest, data)):
@@ -93,17 +97,26 @@ def actor_options(worker_id: str, resources: WorkerResources, namespace: str) ->
 
 
 def start_prefill_worker(worker_id: str, engine_config: EngineConfig, resources: WorkerResources,
-                         transport: str = "tcp", namespace: str | None = None) -> Any:
-    cls = ray.remote(PrefillWorker).options(**actor_options(worker_id, resources, _namespace(namespace)))
-    return cls.remote(worker_id, engine_config, resources, transport)
+                         transport: str = "tcp", namespace: str | None = None,
+                         publish: PublishConfig | None = None) -> Any:
+    """``publish``: register in Redis and publish load and KV events there (what routers read)."""
+    namespace = _namespace(namespace)
+    cls = ray.remote(PrefillWorker).options(**actor_options(worker_id, resources, namespace))
+    return cls.remote(worker_id, engine_config, resources, transport, _with_namespace(publish, namespace))
 
 
 def start_decode_worker(worker_id: str, engine_config: EngineConfig, resources: WorkerResources,
-                        transport: str = "tcp", namespace: str | None = None, transfer_timeout_s: float = 30.0) -> Any:
+                        transport: str = "tcp", namespace: str | None = None, transfer_timeout_s: float = 30.0,
+                        publish: PublishConfig | None = None) -> Any:
     namespace = _namespace(namespace)
     cls = ray.remote(DecodeWorker).options(**actor_options(worker_id, resources, namespace))
     return cls.remote(worker_id, engine_config, resources, transport, namespace,
-                      transfer_timeout_s)
+                      transfer_timeout_s, _with_namespace(publish, namespace))
+
+
+def _with_namespace(publish: PublishConfig | None, namespace: str) -> PublishConfig | None:
+    """Routers look the actor up by its id in this namespace."""
+    return None if publish is None else dataclasses.replace(publish, ray_namespace=namespace)
 
 
 def _namespace(namespace: str | None) -> str:
@@ -115,7 +128,7 @@ def _namespace(namespace: str | None) -> str:
     return ray.get_runtime_context().namespace
 
 
-async def stream_generate(decode_worker: Any, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+async def stream_generate(decode_worker: Any, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
     """Stream a request's chunks from a decode worker actor; closing the iterator cancels the request."""
     refs = decode_worker.generate.options(num_returns="streaming").remote(pack(request))
     finished = False

@@ -27,6 +27,8 @@ class KVBlock:
     block_hash: int | None = None
     # The tokens the block holds, re-checked on a cache hit (a hash collision never serves wrong KV).
     token_ids: tuple[int, ...] | None = None
+    # Hash of the block before it in its chain (None: the chain's first block); for snapshots.
+    parent_hash: int | None = None
 
 
 class BlockPool:
@@ -119,15 +121,24 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return
         stored: list[int] = []
+        stored_parent = parent_hash
+        parent = parent_hash
         for block, block_hash, tokens in zip(blocks, block_hashes, token_ids, strict=True):
             if block.block_hash is not None or block_hash in self._cached:
+                # Skipped: an event stays one unbroken chain, so flush what came before.
+                if stored:
+                    self._events.append(BlockStored(tuple(stored), stored_parent))
+                    stored = []
+                parent = stored_parent = block_hash
                 continue
             block.block_hash = block_hash
             block.token_ids = tuple(tokens)
+            block.parent_hash = parent
             self._cached[block_hash] = block.block_id
             stored.append(block_hash)
+            parent = block_hash
         if stored:
-            self._events.append(BlockStored(tuple(stored), parent_hash))
+            self._events.append(BlockStored(tuple(stored), stored_parent))
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; only possible while no request holds a block."""
@@ -137,6 +148,10 @@ class BlockPool:
             self._uncache(block)
         self._events.append(AllBlocksCleared())
         return True
+
+    def cached_chains(self) -> list[tuple[int, int | None]]:
+        """Every cached block as (hash, parent hash): the state a snapshot of this pool's events gives."""
+        return [(h, self.blocks[b].parent_hash) for h, b in self._cached.items()]
 
     def take_events(self) -> list[KVEvent]:
         """Drain the queued events (once per engine step, published as a batch)."""
@@ -148,6 +163,7 @@ class BlockPool:
             del self._cached[block.block_hash]
         block.block_hash = None
         block.token_ids = None
+        block.parent_hash = None
 
     def check_integrity(self) -> bool:
         """Every invariant the pool relies on; tests call it after each random operation."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,6 +26,7 @@ from workers.engine_service import EngineService
 from workers.errors import error_kind
 from workers.kv_transport import KVTransport
 from workers.protocol import GenerateRequest, PrefillRequest, PrefillResult, TokenChunk, sampling_from_dict
+from workers.publisher import PublishConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +44,22 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     reserved: asyncio.Future[KVReservation] | None = None
+    # Prompt tokens the prefill worker served from its own prefix cache (reported as cached too).
+    prefill_cached_tokens: int = 0
 
 
 class DecodeService(EngineService):
     role = "decode"
 
     def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, prefill_client: PrefillClient | None,
-                 transfer_timeout_s: float = 30.0):
+                 transfer_timeout_s: float = 30.0, publish: PublishConfig | None = None):
         self.prefill_client = prefill_client
         self.transfer_timeout_s = transfer_timeout_s
         self._streams: dict[str, _Stream] = {}
-        super().__init__(engine, transport, worker_id, self._on_reservations)
+        self._cleanups: set[asyncio.Future[None]] = set()
+        super().__init__(engine, transport, worker_id, self._on_reservations, publish)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         rid = request.request_id
         if rid in self._streams:
             yield self._error_chunk(rid, ValueError(f"request id {rid!r} is already streaming here"))
@@ -91,7 +95,8 @@ class DecodeService(EngineService):
                 if first is None:
                     return  # aborted meanwhile
                 finished = first.finished
-                yield self._chunk(first)
+                stream.prefill_cached_tokens = result.num_cached_tokens
+                yield self._chunk(first, stream)
             while not finished:
                 item = await stream.outputs.get()
                 if isinstance(item, BaseException):
@@ -99,11 +104,16 @@ class DecodeService(EngineService):
                     yield self._error_chunk(rid, item)
                     return
                 finished = item.finished
-                yield self._chunk(item)
+                yield self._chunk(item, stream)
         finally:
             self._streams.pop(rid, None)
             if not finished:
-                await self._cancel(request, prefill_call)
+                # Its own task: a consumer cancelled by a scope that keeps cancelling (anyio) must not
+                # cut the cleanup short and leave the request running.
+                cleanup = asyncio.ensure_future(self._cancel(request, prefill_call))
+                self._cleanups.add(cleanup)  # a strong reference until it is done
+                cleanup.add_done_callback(self._cleanups.discard)
+                await asyncio.shield(cleanup)
 
     async def _prefill(self, request: GenerateRequest, reservation: KVReservation) -> PrefillResult:
         assert self.prefill_client is not None and request.prefill_worker is not None
@@ -125,12 +135,12 @@ class DecodeService(EngineService):
         await self.loop.run(lambda e: e.abort(rid))
 
     # ---- chunks ----
-    def _chunk(self, out: RequestOutput) -> TokenChunk:
+    def _chunk(self, out: RequestOutput, stream: _Stream) -> TokenChunk:
         if out.finished and out.finish_reason:
             self.metrics.finished(out.finish_reason)
         return TokenChunk(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
                           out.finish_reason, out.stop_reason, out.num_prompt_tokens, out.num_output_tokens,
-                          out.num_cached_tokens)
+                          max(out.num_cached_tokens, stream.prefill_cached_tokens))
 
     def _error_chunk(self, request_id: str, error: BaseException) -> TokenChunk:
         kind = error_kind(error)

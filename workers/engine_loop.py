@@ -79,7 +79,7 @@ class EngineLoop:
                 outputs = engine.step()
                 seconds = time.perf_counter() - t0
                 idle = engine.last_step_num_tokens == 0
-                if self._on_step is not None and not idle:
+                if self._on_step is not None:
                     self._on_step(engine, seconds)
                 reservations = engine.take_reservations()
                 if reservations and self._on_reservations is not None:

@@ -29,3 +29,31 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def encode_events(events: list[KVEvent]) -> list[list[object]]:
+    """Plain lists for msgpack: ["stored", hashes, parent] / ["removed", hashes] / ["cleared"]."""
+    out: list[list[object]] = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            out.append(["stored", list(e.block_hashes), e.parent_hash])
+        elif isinstance(e, BlockRemoved):
+            out.append(["removed", list(e.block_hashes)])
+        else:
+            out.append(["cleared"])
+    return out
+
+
+def decode_events(items: list[list[object]]) -> list[KVEvent]:
+    events: list[KVEvent] = []
+    for item in items:
+        kind = item[0]
+        if kind == "stored":
+            events.append(BlockStored(tuple(item[1]), item[2]))  # type: ignore[arg-type]
+        elif kind == "removed":
+            events.append(BlockRemoved(tuple(item[1])))  # type: ignore[arg-type]
+        elif kind == "cleared":
+            events.append(AllBlocksCleared())
+        else:
+            raise ValueError(f"unknown KV event kind {kind!r}")
+    return events

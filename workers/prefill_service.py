@@ -21,6 +21,7 @@ from workers.engine_service import EngineService
 from workers.errors import TandemError, error_kind
 from workers.kv_transport import KVTransport, TransferError
 from workers.protocol import PrefillRequest, PrefillResult, sampling_from_dict
+from workers.publisher import PublishConfig
 
 
 class PrefillCancelled(TandemError):
@@ -38,11 +39,12 @@ class _Pending:
 class PrefillService(EngineService):
     role = "prefill"
 
-    def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, max_concurrent_transfers: int = 4):
+    def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, max_concurrent_transfers: int = 4,
+                 publish: PublishConfig | None = None):
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()  # _pending is shared by the asyncio, engine and transfer threads
         self._transfers = concurrent.futures.ThreadPoolExecutor(max_concurrent_transfers, f"{worker_id}-kv")
-        super().__init__(engine, transport, worker_id)
+        super().__init__(engine, transport, worker_id, publish=publish)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         rid = request.request_id

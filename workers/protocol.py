@@ -112,3 +112,7 @@ class WorkerLoad:
     kv_blocks_total: int
     waiting_prefill_tokens: int
     prefix_cache_hit_tokens: int
+    # Position of the worker's KV event stream when this was reported (see ``workers.publisher``):
+    # a router whose index is behind it for long missed entries and reloads the snapshot.
+    kv_events_epoch: int = 0
+    kv_events_seq: int = 0

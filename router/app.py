@@ -1,0 +1,170 @@
+"""The router's FastAPI app factory: state built in ``lifespan`` on ``app.state.router``.
+
+    app = create_app(RouterConfig(redis_url=...), client=RayWorkerClient(namespace))
+    uvicorn.run(app, host=..., port=...)
+
+Background tasks keep the picture of the cluster fresh: the worker directory (registry and load,
+every 50 ms), the KV event consumer (feeding the prefix index) and the expiry of approximate index
+entries. Several routers built on one Redis follow the same streams and decide alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from router.dispatch import Dispatcher
+from router.errors import APIError, install_error_handlers
+from router.kv_event_consumer import KVEventConsumer
+from router.metrics import RouterMetrics, merge_expositions
+from router.openai_api import api
+from router.policy import PolicyConfig
+from router.prefix_index import PrefixIndex
+from router.worker_client import WorkerClient
+from router.worker_directory import WorkerDirectory
+from workers.cluster_keys import ClusterKeys
+from workers.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterConfig:
+    redis_url: str
+    cluster: str = "default"
+    # The model file (for the tokenizer; the same as the workers'); None: the bundled default.
+    model: str | None = None
+    # The name clients send as ``model``; None: the model file's stem.
+    served_model_name: str | None = None
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # How long the router's own routing decisions count as cached blocks before events confirm them.
+    approx_ttl_s: float = 2.0
+    poll_interval_s: float = 0.05
+    metrics_timeout_s: float = 2.0
+
+
+class ClusterShape(NamedTuple):
+    block_size: int
+    max_model_len: int
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    model_name: str
+    tokenizer: Tokenizer
+    redis: aioredis.Redis
+    directory: WorkerDirectory
+    index: PrefixIndex
+    consumer: KVEventConsumer
+    dispatcher: Dispatcher
+    metrics: RouterMetrics
+    client: WorkerClient
+
+    def cluster_shape(self) -> ClusterShape:
+        """Block size and the longest request every decode worker takes; 503 with no decode worker."""
+        decoders = self.directory.live("decode")
+        if not decoders:
+            raise APIError(503, "no decode worker is available; try again shortly", "service_unavailable",
+                           retry_after_s=1)
+        return ClusterShape(decoders[0].info.block_size, min(e.info.max_model_len for e in decoders))
+
+
+def load_tokenizer(model: str | None) -> tuple[Tokenizer, str]:
+    from workers.model_cache import prepared_source
+    from workers.model_loader import resolve_model_source
+
+    source = resolve_model_source(model)
+    name = source.path.name.split(".")[0] if source.kind == "gguf" else source.path.name
+    return Tokenizer.load(prepared_source(source)), name
+
+
+def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tok, default_name = (tokenizer, "tandem") if tokenizer is not None else load_tokenizer(config.model)
+        redis = aioredis.Redis.from_url(config.redis_url, socket_connect_timeout=2.0)
+        keys = ClusterKeys(config.cluster)
+        metrics = RouterMetrics()
+        index = PrefixIndex()
+        directory = WorkerDirectory(redis, keys, config.poll_interval_s)
+        consumer = KVEventConsumer(redis, keys, index)
+        directory.on_removed.append(consumer.forget)
+        dispatcher = Dispatcher(directory, index, client, config.policy, metrics, config.approx_ttl_s)
+        state = RouterState(config, config.served_model_name or default_name, tok, redis, directory, index,
+                            consumer, dispatcher, metrics, client)
+        app.state.router = state
+        await directory.start()
+        tasks = [asyncio.create_task(consumer.run(directory.event_positions), name="kv-events"),
+                 asyncio.create_task(_expire_loop(index), name="index-expiry")]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await directory.stop()
+            await redis.aclose()
+
+    app = FastAPI(title="Tandem router", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(api)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        state: RouterState = request.app.state.router
+        num_decode, num_prefill = len(state.directory.live("decode")), len(state.directory.live("prefill"))
+        ok = num_decode > 0 and state.directory.last_poll_ok
+        body = {"ready": ok, "decode_workers": num_decode, "prefill_workers": num_prefill,
+                "redis": state.directory.last_poll_ok}
+        return JSONResponse(body, 200 if ok else 503, headers=None if ok else {"Retry-After": "1"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, object]:
+        state: RouterState = request.app.state.router
+        decoders = state.directory.live("decode")
+        entry: dict[str, object] = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "tandem"}
+        if decoders:
+            entry["max_model_len"] = min(e.info.max_model_len for e in decoders)
+        return {"object": "list", "data": [entry]}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state: RouterState = request.app.state.router
+        _update_gauges(state)
+        worker_ids = list(state.directory.workers)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(state.client.metrics(w), state.config.metrics_timeout_s) for w in worker_ids),
+            return_exceptions=True)
+        texts = [state.metrics.exposition()] + [r for r in results if isinstance(r, bytes)]
+        return Response(merge_expositions(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _update_gauges(state: RouterState) -> None:
+    m = state.metrics
+    for role in ("prefill", "decode"):
+        m.workers.labels(role=role).set(len(state.directory.live(role)))
+    m.index_nodes.set(state.index.num_nodes)
+    m.kv_events.set(state.consumer.num_events_applied)
+    m.kv_resyncs.set(state.consumer.num_resyncs)
+
+
+async def _expire_loop(index: PrefixIndex, interval_s: float = 0.25) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        index.expire(time.monotonic())

@@ -1,0 +1,144 @@
+"""Per request: pick the workers (policy over the live workers and the prefix index), stream the
+decode worker's chunks, and keep the router's own account of what it sent where.
+
+Load reports arrive every ~100 ms; a burst of requests lands between two reports. So the router
+also counts what it dispatched itself (prompt tokens not yet prefilled, requests in flight, KV
+blocks promised) and uses the larger of that and the report, and it tags the prompt's blocks on the
+chosen workers as approximate prefix-index entries until the workers' own events arrive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.policy import (
+    PolicyConfig,
+    RoundRobin,
+    WorkerView,
+    choose_decode_worker,
+    choose_least_loaded,
+    choose_prefill_worker,
+    should_prefill_locally,
+)
+from router.prefix_index import PrefixIndex
+from router.worker_client import WorkerClient, WorkerUnreachable
+from router.worker_directory import WorkerDirectory, WorkerEntry
+from workers.block_hash import ROOT_HASH, hash_block, hash_prompt_blocks
+from workers.kv_cache_manager import cdiv
+from workers.protocol import GenerateRequest, TokenChunk
+
+
+@dataclass(frozen=True)
+class Route:
+    decode_worker: str
+    prefill_worker: str | None  # None: prefill on the decode worker
+    prefill_overlap_blocks: int  # cached leading blocks on the worker that prefills
+    num_prompt_blocks: int
+
+
+@dataclass
+class _Accounting:
+    """What this router has in flight per worker (beyond the last load report)."""
+
+    prefill_tokens: Counter[str]
+    requests: Counter[str]
+    kv_blocks: Counter[str]
+
+
+class Dispatcher:
+    def __init__(self, directory: WorkerDirectory, index: PrefixIndex, client: WorkerClient,
+                 policy: PolicyConfig, metrics: RouterMetrics, approx_ttl_s: float = 2.0):
+        self.directory = directory
+        self.index = index
+        self.client = client
+        self.policy = policy
+        self.metrics = metrics
+        self.approx_ttl_s = approx_ttl_s
+        self._round_robin = RoundRobin()
+        self._inflight = _Accounting(Counter(), Counter(), Counter())
+
+    # ---- the decision ----
+    def _view(self, entry: WorkerEntry) -> WorkerView:
+        w, load = entry.info.worker_id, entry.load
+        used = max(load.kv_blocks_used, self._inflight.kv_blocks[w])
+        return WorkerView(w, max(load.num_running, self._inflight.requests[w]), load.num_waiting,
+                          max(load.waiting_prefill_tokens, self._inflight.prefill_tokens[w]),
+                          load.kv_blocks_total - used)
+
+    def route(self, prompt_token_ids: list[int], block_hashes: list[int], max_tokens: int) -> Route:
+        decoders = [self._view(e) for e in self.directory.live("decode")]
+        prefillers = [self._view(e) for e in self.directory.live("prefill")]
+        if not decoders:
+            raise APIError(503, "no decode worker is available; try again shortly", "service_unavailable",
+                           retry_after_s=1)
+        block_size = self.directory.live("decode")[0].info.block_size
+        num_blocks = len(block_hashes)
+        tie_key = block_hashes[0] if block_hashes else hash_block(ROOT_HASH, prompt_token_ids)
+        needed = cdiv(len(prompt_token_ids) + max_tokens, block_size)
+        decode = choose_decode_worker(decoders, needed, tie_key)
+        if decode is None:
+            raise APIError(503, "no decode worker has room for this request now; try again shortly",
+                           "service_unavailable", retry_after_s=1)
+        overlaps = self.index.match(block_hashes) if self.policy.policy == "prefix_aware" else {}
+        decode_overlap = overlaps.get(decode, 0)
+        if not prefillers or (self.policy.policy == "prefix_aware" and should_prefill_locally(
+                len(prompt_token_ids), decode_overlap * block_size, self.policy)):
+            return Route(decode, None, decode_overlap, num_blocks)
+        if self.policy.policy == "round_robin":
+            prefill = self._round_robin.choose(prefillers)
+        elif self.policy.policy == "least_loaded":
+            prefill = choose_least_loaded(prefillers, tie_key)
+        else:
+            prefill = choose_prefill_worker(prefillers, overlaps, num_blocks, block_size, self.policy, tie_key)
+        return Route(decode, prefill, overlaps.get(prefill, 0), num_blocks)
+
+    # ---- one request ----
+    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, object], cache_salt: str | None,
+                       max_tokens: int, block_size: int) -> AsyncGenerator[TokenChunk, None]:
+        """Route and stream; the first chunk or an ``APIError`` tells the caller where it stands."""
+        block_hashes = hash_prompt_blocks(prompt_token_ids, block_size, cache_salt)
+        route = self.route(prompt_token_ids, block_hashes, max_tokens)
+        self.metrics.routed(route, block_size)
+        request = GenerateRequest(f"req-{uuid.uuid4().hex}", prompt_token_ids, sampling, cache_salt,
+                                  route.prefill_worker)
+        prefiller = route.prefill_worker or route.decode_worker
+        to_prefill = len(prompt_token_ids) - route.prefill_overlap_blocks * block_size
+        needed = cdiv(len(prompt_token_ids) + max_tokens, block_size)
+        self._remember(route, block_hashes)
+        inflight = self._inflight
+        inflight.prefill_tokens[prefiller] += to_prefill
+        inflight.requests[route.decode_worker] += 1
+        inflight.kv_blocks[route.decode_worker] += needed
+        prefill_pending = True
+        try:
+            # aclosing: leaving early (client gone) must close the worker stream now, not at GC.
+            async with contextlib.aclosing(self.client.generate(route.decode_worker, request)) as stream:
+                async for chunk in stream:
+                    if prefill_pending:
+                        inflight.prefill_tokens[prefiller] -= to_prefill
+                        prefill_pending = False
+                    yield chunk
+        except WorkerUnreachable as e:
+            raise APIError(503, f"worker unreachable: {e}; try again", "service_unavailable",
+                           retry_after_s=1) from e
+        finally:
+            if prefill_pending:
+                inflight.prefill_tokens[prefiller] -= to_prefill
+            inflight.requests[route.decode_worker] -= 1
+            inflight.kv_blocks[route.decode_worker] -= needed
+            for counter in (inflight.prefill_tokens, inflight.requests, inflight.kv_blocks):
+                counter += Counter()  # drops the zero entries
+
+    def _remember(self, route: Route, block_hashes: list[int]) -> None:
+        """Approximate index entries: where this prompt's blocks will be cached once it runs."""
+        expires_at = time.monotonic() + self.approx_ttl_s
+        if route.prefill_worker is not None:
+            self.index.insert_approximate(route.prefill_worker, block_hashes, expires_at)
+        self.index.insert_approximate(route.decode_worker, block_hashes, expires_at)

@@ -1,0 +1,75 @@
+"""The router's Prometheus metrics, and the merge of every worker's exposition into one scrape.
+
+Workers keep their own registries (``workers.metrics``); ``/metrics`` on a router returns its own
+families followed by the workers', with samples of the same family from different workers joined
+under one HELP/TYPE header, so one scrape shows the cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from router.dispatch import Route
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("tandem_router_requests", "HTTP requests finished", ["endpoint", "status"],
+                                registry=r)
+        self.ttft = Histogram("tandem_router_ttft_seconds", "Arrival to first token, seen by the router",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem_router_e2e_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.in_flight = Gauge("tandem_router_requests_in_flight", "Requests being served", registry=r)
+        self.routes = Counter("tandem_router_routes", "Routing decisions", ["prefill"], registry=r)
+        self.prompt_tokens = Counter("tandem_router_prompt_tokens", "Prompt tokens routed", registry=r)
+        self.expected_hit_tokens = Counter(
+            "tandem_router_expected_prefix_hit_tokens", "Prompt tokens the chosen worker holds per the index",
+            registry=r)
+        self.output_tokens = Counter("tandem_router_output_tokens", "Tokens streamed to clients", registry=r)
+        self.workers = Gauge("tandem_router_live_workers", "Workers in routing", ["role"], registry=r)
+        self.index_nodes = Gauge("tandem_router_prefix_index_nodes", "Blocks in the prefix index", registry=r)
+        self.kv_events = Gauge("tandem_router_kv_event_batches_applied", "KV event batches applied", registry=r)
+        self.kv_resyncs = Gauge("tandem_router_kv_event_resyncs", "Snapshot reloads after a gap", registry=r)
+
+    def routed(self, route: Route, block_size: int) -> None:
+        self.routes.labels(prefill="local" if route.prefill_worker is None else "remote").inc()
+        self.expected_hit_tokens.inc(route.prefill_overlap_blocks * block_size)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def merge_expositions(texts: Iterable[bytes]) -> bytes:
+    """Several Prometheus text expositions as one: each family once, with all its samples."""
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode("utf-8")):
+            # The text format names a counter's header after its ``_total`` sample.
+            name = family.name + "_total" if family.type == "counter" else family.name
+            _, _, lines = families.setdefault(name, (family.type, family.documentation, []))
+            for s in family.samples:
+                if s.name.endswith("_created"):
+                    continue  # creation timestamps: noise in a merged scrape
+                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
+                value = floatToGoString(s.value)
+                lines.append(f"{s.name}{{{labels}}} {value}" if labels else f"{s.name} {value}")
+    out: list[str] = []
+    for name, (kind, doc, lines) in families.items():
+        out.append(f"# HELP {name} {_escape(doc)}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(lines)
+    return ("\n".join(out) + "\n").encode("utf-8")
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

@@ -1,0 +1,208 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: validate, tokenize once, dispatch,
+answer whole or as SSE.
+
+The first worker chunk is awaited before any response starts, so a request that fails before its
+first token (bad input a worker caught, no capacity, a failed transfer) gets a proper HTTP status;
+later failures end the stream with an error event and ``[DONE]``. A client that goes away cancels
+the request on every worker it touched, streamed or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from router.errors import WORKER_ERROR_STATUS, APIError
+from router.responses import DONE_EVENT, Completion, error_event
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.sse import EventStreamResponse
+from workers.errors import InvalidRequestError
+from workers.protocol import TokenChunk, sampling_to_dict
+from workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from router.app import RouterState
+
+T = TypeVar("T")
+api = APIRouter()
+
+# Tokenizing a huge string takes long; beyond this many characters per allowed token it cannot fit.
+_MAX_CHARS_PER_TOKEN = 32
+
+
+@api.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _serve(request, body, "chat")
+
+
+@api.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _serve(request, body, "completion")
+
+
+def _tokenize(state: RouterState, body: ChatCompletionRequest | CompletionRequest, max_model_len: int) -> list[int]:
+    tok = state.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        messages = body.message_dicts()
+        if sum(len(m["content"]) for m in messages) > max_model_len * _MAX_CHARS_PER_TOKEN:
+            raise InvalidRequestError(f"the messages are far longer than max_model_len {max_model_len} tokens")
+        return tok.apply_chat_template(messages)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        if len(prompt) > max_model_len * _MAX_CHARS_PER_TOKEN:
+            raise InvalidRequestError(f"the prompt is far longer than max_model_len {max_model_len} tokens")
+        return tok.encode(prompt)
+    ids = [t for t in prompt if isinstance(t, int)]
+    if len(ids) != len(prompt) or any(not 0 <= t < tok.vocab_size for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {tok.vocab_size})")
+    return ids
+
+
+def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int, max_model_len: int) -> dict:
+    requested = body.requested_max_tokens
+    if requested is None:  # OpenAI: 16 for text completions; chat runs to the model's length
+        requested = 16 if isinstance(body, CompletionRequest) else max_model_len - num_prompt_tokens
+    if num_prompt_tokens + requested > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({requested}) exceeds the model's "
+            f"max_model_len {max_model_len}")
+    logprobs = bool(body.logprobs) if isinstance(body, ChatCompletionRequest) else body.logprobs is not None
+    params = SamplingParams(max_tokens=requested, temperature=body.temperature, top_p=body.top_p,
+                            top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
+                            ignore_eos=body.ignore_eos, logprobs=logprobs)
+    params.validate()
+    return sampling_to_dict(params)
+
+
+async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> Response:
+    state: RouterState = request.app.state.router
+    arrival = time.perf_counter()
+    endpoint = request.url.path
+    state.metrics.in_flight.inc()
+    try:
+        response = await _respond(request, state, body, kind, arrival)
+    except APIError as e:
+        state.metrics.requests.labels(endpoint, str(e.status)).inc()
+        state.metrics.in_flight.dec()
+        raise
+    except InvalidRequestError:
+        state.metrics.requests.labels(endpoint, "400").inc()
+        state.metrics.in_flight.dec()
+        raise
+    if not isinstance(response, EventStreamResponse):
+        state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        state.metrics.in_flight.dec()
+    return response
+
+
+async def _respond(request: Request, state: RouterState, body: ChatCompletionRequest | CompletionRequest,
+                   kind: str, arrival: float) -> Response:
+    if body.model != state.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                       "model_not_found", "model")
+    shape = state.cluster_shape()
+    prompt_ids = _tokenize(state, body, shape.max_model_len)
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty")
+    sampling = _sampling(body, len(prompt_ids), shape.max_model_len)
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    completion = Completion(kind, prefix + uuid.uuid4().hex, state.model_name, bool(sampling["logprobs"]))
+    chunks = state.dispatcher.generate(prompt_ids, sampling, body.cache_salt, sampling["max_tokens"],
+                                       shape.block_size)
+    first = await _until_disconnect(request, _first_chunk(chunks), on_disconnect=chunks.aclose)
+    if first is None:  # the client left before the first token; the request is cancelled
+        return Response(status_code=499)
+    state.metrics.ttft.observe(time.perf_counter() - arrival)
+    if body.stream:
+        return EventStreamResponse(_stream(state, completion, first, chunks, body.include_usage, arrival,
+                                           request.url.path), headers={"Cache-Control": "no-cache"})
+    collected = await _until_disconnect(request, _collect(completion, first, chunks), on_disconnect=chunks.aclose)
+    if collected is None:
+        return Response(status_code=499)
+    state.metrics.output_tokens.inc(completion.num_output_tokens)
+    state.metrics.e2e.observe(time.perf_counter() - arrival)
+    return JSONResponse(completion.body(state.tokenizer))
+
+
+async def _first_chunk(chunks: AsyncGenerator[TokenChunk, None]) -> TokenChunk:
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration as e:
+        raise APIError(500, "the worker ended the stream without a token") from e
+    if first.error is not None:
+        await chunks.aclose()
+        status = WORKER_ERROR_STATUS.get(first.error_kind or "internal", 500)
+        raise APIError(status, first.error, first.error_kind, retry_after_s=1 if status == 503 else None)
+    return first
+
+
+async def _collect(completion: Completion, first: TokenChunk, chunks: AsyncGenerator[TokenChunk, None]) -> Completion:
+    completion.add(first)
+    async for chunk in chunks:
+        if chunk.error is not None:
+            raise APIError(WORKER_ERROR_STATUS.get(chunk.error_kind or "internal", 500), chunk.error,
+                           chunk.error_kind)
+        completion.add(chunk)
+    return completion
+
+
+async def _stream(state: RouterState, completion: Completion, first: TokenChunk,
+                  chunks: AsyncGenerator[TokenChunk, None], include_usage: bool, arrival: float,
+                  endpoint: str) -> AsyncIterator[str]:
+    tok = state.tokenizer
+    status = "200"
+    try:
+        if completion.kind == "chat":
+            yield completion.role_event()
+        chunk: TokenChunk | None = first
+        while chunk is not None:
+            if chunk.error is not None:
+                status = str(WORKER_ERROR_STATUS.get(chunk.error_kind or "internal", 500))
+                yield error_event(int(status), chunk.error, chunk.error_kind)
+                break
+            completion.add(chunk)
+            event = completion.delta_event(tok, chunk)
+            if event is not None:
+                yield event
+            chunk = await anext(chunks, None)
+        if include_usage and status == "200":
+            yield completion.usage_event()
+        yield DONE_EVENT
+    except asyncio.CancelledError:
+        status = "499"  # the client went away; closing ``chunks`` below cancels the request
+        raise
+    finally:
+        state.metrics.output_tokens.inc(completion.num_output_tokens)
+        state.metrics.e2e.observe(time.perf_counter() - arrival)
+        state.metrics.requests.labels(endpoint, status).inc()
+        state.metrics.in_flight.dec()
+        await chunks.aclose()
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T], on_disconnect: Any) -> T | None:
+    """Run ``work`` unless the client disconnects first (then cancel it, call ``on_disconnect``, return None)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await on_disconnect()
+    return None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

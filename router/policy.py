@@ -1,0 +1,107 @@
+"""Routing policies as pure functions: views of the workers in, a worker id out.
+
+Prefix-aware prefill choice (Dynamo's cost, in blocks):
+
+    cost(w) = w_prefill × (prompt blocks − overlap(w) + queued prefill blocks(w)) + w_load × (running + waiting)(w)
+
+Ties are broken by ``tie_key`` (the prompt's first block hash): random across prefixes, yet the
+same on every router replica, so routers that see the same state make the same choice and a
+prefix nobody caches yet still lands on one worker from every router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+POLICIES = ("prefix_aware", "round_robin", "least_loaded")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    policy: str = "prefix_aware"
+    prefill_weight: float = 1.0
+    load_weight: float = 1.0
+    # Prefill on the decode worker when at most this many prompt tokens are not cached there ...
+    local_prefill_max_tokens: int = 64
+    # ... or when the decode worker already holds at least this share of the prompt (multi-turn).
+    local_prefill_min_overlap: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.prefill_weight < 0 or self.load_weight < 0:
+            raise ValueError("policy weights must be non-negative")
+
+
+class WorkerView(NamedTuple):
+    """What the router knows of one worker when it decides (reported load plus its own dispatches)."""
+
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int
+    kv_blocks_free: int
+
+
+def _pick(worker_ids: Sequence[str], tie_key: int) -> str:
+    return sorted(worker_ids)[tie_key % len(worker_ids)]
+
+
+def prefill_cost(view: WorkerView, num_prompt_blocks: int, overlap_blocks: int, block_size: int,
+                 config: PolicyConfig) -> float:
+    queued_blocks = view.queued_prefill_tokens / block_size
+    to_compute = num_prompt_blocks - overlap_blocks + queued_blocks
+    return config.prefill_weight * to_compute + config.load_weight * (view.num_running + view.num_waiting)
+
+
+def choose_prefill_worker(views: Sequence[WorkerView], overlaps: Mapping[str, int], num_prompt_blocks: int,
+                          block_size: int, config: PolicyConfig, tie_key: int) -> str:
+    """argmin of ``prefill_cost``; ties broken by ``tie_key``."""
+    if not views:
+        raise ValueError("no prefill workers")
+    costs = {v.worker_id: prefill_cost(v, num_prompt_blocks, overlaps.get(v.worker_id, 0), block_size, config)
+             for v in views}
+    best = min(costs.values())
+    return _pick([w for w, c in costs.items() if c <= best + 1e-9], tie_key)
+
+
+def choose_least_loaded(views: Sequence[WorkerView], tie_key: int) -> str:
+    """Fewest requests in flight, then fewest queued prefill tokens."""
+    if not views:
+        raise ValueError("no workers")
+    best = min((v.num_running + v.num_waiting, v.queued_prefill_tokens) for v in views)
+    return _pick([v.worker_id for v in views if (v.num_running + v.num_waiting, v.queued_prefill_tokens) == best],
+                 tie_key)
+
+
+def choose_decode_worker(views: Sequence[WorkerView], num_blocks_needed: int, tie_key: int) -> str | None:
+    """The worker with the most free KV blocks among those with room for the request; None if none has."""
+    fits = [v for v in views if v.kv_blocks_free >= num_blocks_needed]
+    if not fits:
+        return None
+    most = max(v.kv_blocks_free for v in fits)
+    return _pick([v.worker_id for v in fits if v.kv_blocks_free == most], tie_key)
+
+
+def should_prefill_locally(num_prompt_tokens: int, decode_overlap_tokens: int, config: PolicyConfig) -> bool:
+    """Whether moving KV costs more than computing the rest of the prompt on the decode worker."""
+    uncached = num_prompt_tokens - decode_overlap_tokens
+    return (uncached <= config.local_prefill_max_tokens
+            or decode_overlap_tokens >= config.local_prefill_min_overlap * num_prompt_tokens)
+
+
+class RoundRobin:
+    """The comparison baseline: each request to the next worker, ignoring caches and load."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, views: Sequence[WorkerView]) -> str:
+        if not views:
+            raise ValueError("no workers")
+        ids = sorted(v.worker_id for v in views)
+        choice = ids[self._next % len(ids)]
+        self._next += 1
+        return choice

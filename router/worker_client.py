@@ -1,0 +1,77 @@
+"""How a router reaches workers: one streaming call per request to a decode worker, and each
+worker's metrics. Ray actor handles in a cluster; services in the same process for tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any, Protocol
+
+from workers.decode_service import DecodeService
+from workers.engine_service import EngineService
+from workers.protocol import GenerateRequest, TokenChunk
+
+
+class WorkerUnreachable(Exception):
+    """The worker could not be reached at all (gone, or never there)."""
+
+
+class WorkerClient(Protocol):
+    def generate(self, decode_worker: str, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        """Closing the iterator early cancels the request on every worker it touched."""
+        ...
+
+    async def metrics(self, worker_id: str) -> bytes: ...
+
+
+class RayWorkerClient:
+    """Workers are named Ray actors (their worker id) in ``namespace``."""
+
+    def __init__(self, namespace: str | None):
+        self.namespace = namespace
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, worker_id: str) -> Any:
+        import ray
+
+        handle = self._handles.get(worker_id)
+        if handle is None:
+            try:
+                handle = ray.get_actor(worker_id, namespace=self.namespace)
+            except ValueError as e:
+                raise WorkerUnreachable(f"no worker actor {worker_id!r}") from e
+            self._handles[worker_id] = handle
+        return handle
+
+    def forget(self, worker_id: str) -> None:
+        self._handles.pop(worker_id, None)
+
+    async def generate(self, decode_worker: str, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        from workers.actors import stream_generate
+
+        async with contextlib.aclosing(stream_generate(self._handle(decode_worker), request)) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def metrics(self, worker_id: str) -> bytes:
+        return bytes(await self._handle(worker_id).metrics.remote())
+
+
+class LocalWorkerClient:
+    """Services living in this process (tests, benchmarks of the router alone)."""
+
+    def __init__(self, decode: Mapping[str, DecodeService], others: Mapping[str, EngineService] | None = None):
+        self.decode = dict(decode)
+        self.services: dict[str, EngineService] = {**(others or {}), **self.decode}
+
+    async def generate(self, decode_worker: str, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        service = self.decode.get(decode_worker)
+        if service is None:
+            raise WorkerUnreachable(f"no decode worker {decode_worker!r}")
+        async with contextlib.aclosing(service.generate(request)) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def metrics(self, worker_id: str) -> bytes:
+        return self.services[worker_id].metrics.exposition()

@@ -1,0 +1,90 @@
+"""The router's list of live workers and their load, polled from Redis (the workers' registry and
+load reports; a report's TTL is the worker's heartbeat, so a worker that stops leaves routing when
+its key expires, within the TTL).
+
+Worker ids join ``PrefixIndex`` tags and dispatch; the directory says which of them may be chosen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+import redis.asyncio as aioredis
+
+from workers.cluster_keys import ClusterKeys, WorkerInfo
+from workers.protocol import WorkerLoad, unpack
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerEntry:
+    info: WorkerInfo
+    load: WorkerLoad
+    seen_at: float  # monotonic time of the last report read
+
+
+class WorkerDirectory:
+    def __init__(self, redis: aioredis.Redis, keys: ClusterKeys, poll_interval_s: float = 0.05):
+        self.redis = redis
+        self.keys = keys
+        self.poll_interval_s = poll_interval_s
+        self.workers: dict[str, WorkerEntry] = {}
+        self.last_poll_ok = False
+        # Called with the ids of workers that left (the prefix index drops their tags).
+        self.on_removed: list[Callable[[list[str]], None]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def live(self, role: str) -> list[WorkerEntry]:
+        return [e for e in self.workers.values() if e.info.role == role]
+
+    def event_positions(self) -> dict[str, tuple[int, int]]:
+        """Each live worker's KV event stream position, as its last load report gave it."""
+        return {w: (e.load.kv_events_epoch, e.load.kv_events_seq) for w, e in self.workers.items()}
+
+    async def start(self) -> None:
+        await self.poll()
+        self._task = asyncio.create_task(self._run(), name="worker-directory")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self.poll()
+            except (aioredis.RedisError, OSError) as e:
+                if self.last_poll_ok:
+                    log.warning("worker directory: Redis unreachable (%s); keeping the last view", e)
+                self.last_poll_ok = False
+
+    async def poll(self) -> None:
+        registry: dict[bytes, bytes] = await self.redis.hgetall(self.keys.registry)  # type: ignore[assignment]
+        ids = [k.decode() for k in registry]
+        loads: list[bytes | None] = await self.redis.mget(  # type: ignore[assignment]
+            [self.keys.load(w) for w in ids]) if ids else []
+        now = time.monotonic()
+        fresh: dict[str, WorkerEntry] = {}
+        for (raw_id, raw_info), raw_load in zip(registry.items(), loads, strict=True):
+            if raw_load is None:
+                continue  # registered but silent: dead or not started yet
+            try:
+                info = WorkerInfo(**msgpack.unpackb(raw_info))
+                fresh[raw_id.decode()] = WorkerEntry(info, unpack(WorkerLoad, raw_load), now)
+            except (TypeError, ValueError) as e:
+                log.warning("worker directory: ignoring worker %s with a bad record: %s", raw_id, e)
+        gone = [w for w in self.workers if w not in fresh]
+        self.workers = fresh
+        self.last_poll_ok = True
+        if gone:
+            log.info("workers left routing: %s", ", ".join(gone))
+            for callback in self.on_removed:
+                callback(gone)

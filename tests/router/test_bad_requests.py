@@ -1,0 +1,94 @@
+"""Bad requests get a 4xx in OpenAI's error shape with a message, never a 5xx; tenants never share cache."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.router.conftest import MODEL
+
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+USER = [{"role": "user", "content": "Hello"}]
+
+
+def chat(**fields):  # type: ignore[no-untyped-def]
+    return json.dumps({"model": MODEL, "messages": USER, "max_tokens": 4, **fields}).encode()
+
+
+def text(**fields):  # type: ignore[no-untyped-def]
+    return json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, **fields}).encode()
+
+
+BAD = [
+    ("malformed JSON", "POST", CHAT, b'{"model": "x", "messages": [', 400),
+    ("invalid UTF-8", "POST", CHAT, b'{"model": "' + bytes([0xFF, 0xFE]) + b'", "messages": []}', 400),
+    ("body is a list", "POST", CHAT, b"[1, 2]", 400),
+    ("empty body", "POST", TEXT, b"", 400),
+    ("max_tokens as a string", "POST", CHAT, chat(max_tokens="5"), 400),
+    ("temperature as a word", "POST", TEXT, text(temperature="hot"), 400),
+    ("messages as a string", "POST", CHAT, chat(messages="hi"), 400),
+    ("negative max_tokens", "POST", TEXT, text(max_tokens=-3), 400),
+    ("zero max_completion_tokens", "POST", CHAT, chat(max_completion_tokens=0), 400),
+    ("huge n", "POST", CHAT, chat(n=1000), 400),
+    ("empty messages", "POST", CHAT, chat(messages=[]), 400),
+    ("unknown role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400),
+    ("message without role", "POST", CHAT, chat(messages=[{"content": "hi"}]), 400),
+    ("content of the wrong type", "POST", CHAT, chat(messages=[{"role": "user", "content": 42}]), 400),
+    ("unknown model", "POST", CHAT, chat(model="gpt-9"), 404),
+    ("missing model", "POST", TEXT, json.dumps({"prompt": "hi"}).encode(), 400),
+    ("enormous prompt", "POST", TEXT, text(prompt="word " * 200_000), 400),
+    ("prompt beyond max_model_len", "POST", TEXT, text(prompt="word " * 2100), 400),
+    ("prompt + max_tokens beyond max_model_len", "POST", TEXT, text(max_tokens=2048), 400),
+    ("token ids out of the vocabulary", "POST", TEXT, text(prompt=[1, 2, 10**9]), 400),
+    ("negative token id", "POST", TEXT, text(prompt=[1, -2]), 400),
+    ("empty prompt", "POST", TEXT, text(prompt=""), 400),
+    ("several prompts", "POST", TEXT, text(prompt=["a", "b"]), 400),
+    ("top_p of zero", "POST", TEXT, text(top_p=0), 400),
+    ("temperature too high", "POST", TEXT, text(temperature=7), 400),
+    ("too many stop strings", "POST", TEXT, text(stop=[f"s{i}" for i in range(40)]), 400),
+    ("an empty stop string", "POST", TEXT, text(stop=[""]), 400),
+    ("penalties", "POST", CHAT, chat(presence_penalty=1.0), 400),
+    ("top logprobs", "POST", CHAT, chat(logprobs=True, top_logprobs=5), 400),
+    ("echo", "POST", TEXT, text(echo=True), 400),
+    ("stream as a string", "POST", TEXT, text(stream="yes"), 400),
+    ("cache_salt empty", "POST", TEXT, text(cache_salt=""), 400),
+    ("GET on a POST route", "GET", CHAT, b"", 405),
+    ("unknown route", "POST", "/v1/engines", chat(), 404),
+]
+
+
+@pytest.mark.parametrize(("name", "method", "path", "body", "status"), BAD, ids=[b[0] for b in BAD])
+def test_bad_request_is_a_4xx_with_a_message(local_cluster, name, method, path, body, status):
+    router, _, _ = local_cluster
+    response = httpx.request(method, router.url + path, content=body, timeout=60,
+                             headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"], response.text
+    assert error["type"]
+
+
+def test_cache_salt_isolates_tenants(local_cluster, make_engine):
+    router, prefill, decode = local_cluster
+    prompt = "Tenant data: " + "the quick brown fox jumps over the lazy dog " * 12
+
+    def hits() -> int:
+        totals = [s.loop.call(lambda e: e.stats().prefix_hit_tokens_total) for s in (prefill, decode)]
+        return sum(t.result(timeout=10) for t in totals)
+
+    def cached(salt: str | None) -> int:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        reply = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).json()
+        return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0  # the same tenant reuses its prefix
+    before = hits()
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert hits() == before  # no block of tenant a served anyone else, on either worker

@@ -1,0 +1,123 @@
+"""The official openai client against a router over real HTTP; text equals a single engine's."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.router.conftest import MODEL
+from workers.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def client(local_cluster):
+    router, _, _ = local_cluster
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def held_blocks(service) -> int:  # type: ignore[no-untyped-def]
+    return service.loop.call(lambda e: e.block_pool.num_used_blocks).result(timeout=10)
+
+
+def wait_idle(*services, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while any(held_blocks(s) for s in services) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(held_blocks(s) == 0 for s in services)
+
+
+QUESTIONS = ["What is the capital of France?", "Write one sentence about the sea. " * 6]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_greedy_text_equals_the_engine(client, local_cluster, make_engine, stream):
+    _, prefill, decode = local_cluster
+    engine = make_engine()
+    for question in QUESTIONS:
+        messages = [{"role": "user", "content": question}]
+        want = engine.generate([{"messages": messages}], SamplingParams(max_tokens=24, temperature=0.0))[0]
+        if stream:
+            events = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                                         temperature=0, stream=True,
+                                                         stream_options={"include_usage": True}))
+            text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+            finish = [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason]
+            usage = events[-1].usage
+            assert events[0].choices[0].delta.role == "assistant" and not events[-1].choices
+        else:
+            reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+            text, finish, usage = reply.choices[0].message.content, [reply.choices[0].finish_reason], reply.usage
+        assert text == want.text
+        assert finish == [want.finish_reason if want.finish_reason == "length" else "stop"]
+        assert usage.prompt_tokens == len(want.prompt_token_ids)
+        assert usage.completion_tokens == len(want.token_ids)
+    wait_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_text_and_token_prompts(client, local_cluster, make_engine, stream):
+    engine = make_engine()
+    prompt = "The three primary colours are"
+    want = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    for given in (prompt, want.prompt_token_ids):
+        if stream:
+            events = list(client.completions.create(model=MODEL, prompt=given, max_tokens=12, temperature=0,
+                                                    stream=True))
+            text = "".join(e.choices[0].text for e in events)
+        else:
+            reply = client.completions.create(model=MODEL, prompt=given, max_tokens=12, temperature=0)
+            text = reply.choices[0].text
+            assert reply.usage.completion_tokens == 12
+        assert text == want.text
+
+
+def test_stop_seed_and_logprobs(client, make_engine):
+    engine = make_engine()
+    prompt = "List the numbers: 1, 2, 3,"
+    full = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0].text
+    stop = full.strip()[3:6]
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].text == full[: full.index(stop)]
+    seeded = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=7)
+              .choices[0].text for _ in range(2)]
+    want = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=7))[0].text
+    assert seeded == [want, want]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=5, temperature=0, logprobs=True)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(c.logprob <= 0 for c in content)
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=0)
+    assert len(text.choices[0].logprobs.token_logprobs) == 4
+
+
+def test_models_health_ready_metrics(local_cluster):
+    router, _, _ = local_cluster
+    models = httpx.get(f"{router.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 2048
+    assert httpx.get(f"{router.url}/health").status_code == 200
+    ready = httpx.get(f"{router.url}/ready").json()
+    assert ready["ready"] and ready["decode_workers"] == 1 and ready["prefill_workers"] == 1
+    text = httpx.get(f"{router.url}/metrics").text
+    assert 'tandem_router_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    assert 'tandem_kv_blocks_total{role="decode",worker_id="d0"}' in text
+    assert 'tandem_kv_blocks_total{role="prefill",worker_id="p0"}' in text
+    assert text.count("# TYPE tandem_kv_blocks_total gauge") == 1
+
+
+def test_client_disconnect_cancels_on_every_worker(local_cluster):
+    router, prefill, decode = local_cluster
+    body = {"model": MODEL, "prompt": "Count slowly: one, two,", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert held_blocks(decode) > 0
+    wait_idle(prefill, decode)
+    body["stream"] = False  # a non-streamed request whose client gives up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{router.url}/v1/completions", json=body, timeout=1.0)
+    wait_idle(prefill, decode)

@@ -1,0 +1,75 @@
+"""Routing policies are pure functions; each rule checked on small hand-made views."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.policy import (
+    PolicyConfig,
+    RoundRobin,
+    WorkerView,
+    choose_decode_worker,
+    choose_least_loaded,
+    choose_prefill_worker,
+    prefill_cost,
+    should_prefill_locally,
+)
+
+BS = 16
+CFG = PolicyConfig()
+
+
+def view(w: str, running: int = 0, waiting: int = 0, queued: int = 0, free: int = 100) -> WorkerView:
+    return WorkerView(w, running, waiting, queued, free)
+
+
+def test_prefill_prefers_the_longest_cached_prefix():
+    views = [view("p0"), view("p1")]
+    assert choose_prefill_worker(views, {"p1": 50}, 64, BS, CFG, tie_key=0) == "p1"
+
+
+def test_cached_prefix_is_weighed_against_queued_work_and_load():
+    # p1 holds 50 of 64 blocks but has 60 blocks of queued prefill: p0 computes 64, p1 14 + 60.
+    views = [view("p0"), view("p1", queued=60 * BS)]
+    assert choose_prefill_worker(views, {"p1": 50}, 64, BS, CFG, tie_key=0) == "p0"
+    assert prefill_cost(views[1], 64, 50, BS, CFG) == pytest.approx(74.0)
+    busy = [view("p0"), view("p1", running=20)]
+    assert choose_prefill_worker(busy, {"p1": 10}, 64, BS, CFG, tie_key=0) == "p0"
+    light = PolicyConfig(load_weight=0.1)
+    assert choose_prefill_worker(busy, {"p1": 10}, 64, BS, light, tie_key=0) == "p1"
+
+
+def test_ties_break_by_key_the_same_everywhere():
+    views = [view(f"p{i}") for i in range(4)]
+    picks = {choose_prefill_worker(views, {}, 8, BS, CFG, tie_key=k) for k in range(16)}
+    assert picks == {"p0", "p1", "p2", "p3"}  # spread over prefixes ...
+    again = [choose_prefill_worker(list(reversed(views)), {}, 8, BS, CFG, tie_key=5) for _ in range(3)]
+    assert again == [choose_prefill_worker(views, {}, 8, BS, CFG, tie_key=5)] * 3  # ... yet deterministic
+
+
+def test_decode_worker_with_most_free_kv_among_those_with_room():
+    views = [view("d0", free=10), view("d1", free=40), view("d2", free=25)]
+    assert choose_decode_worker(views, 20, tie_key=0) == "d1"
+    assert choose_decode_worker(views, 41, tie_key=0) is None
+
+
+def test_local_prefill_when_little_is_left_or_most_is_cached():
+    assert should_prefill_locally(40, 0, CFG)  # short prompt: moving KV costs more
+    assert not should_prefill_locally(1000, 0, CFG)
+    assert should_prefill_locally(1000, 960, CFG)  # multi-turn: the decode worker holds the prefix
+    assert should_prefill_locally(1000, 800, CFG)
+    assert not should_prefill_locally(1000, 500, CFG)
+
+
+def test_baselines():
+    views = [view("a", running=3), view("b", running=1, queued=5), view("c", running=1)]
+    assert choose_least_loaded(views, tie_key=0) == "c"
+    rr = RoundRobin()
+    assert [rr.choose(views) for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_bad_policy_config_is_refused():
+    with pytest.raises(ValueError, match="policy"):
+        PolicyConfig(policy="random")
+    with pytest.raises(ValueError, match="weights"):
+        PolicyConfig(prefill_weight=-1)
