@@ -14,7 +14,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -70,7 +70,7 @@ class Dispatcher:
         used = max(load.kv_blocks_used, self._inflight.kv_blocks[w])
         return WorkerView(w, max(load.num_running, self._inflight.requests[w]), load.num_waiting,
                           max(load.waiting_prefill_tokens, self._inflight.prefill_tokens[w]),
-                          load.kv_blocks_total - used)
+                          load.kv_blocks_total - used, self.index.num_exact_blocks(w))
 
     def route(self, prompt_token_ids: list[int], block_hashes: list[int], max_tokens: int) -> Route:
         decoders = [self._view(e) for e in self.directory.live("decode")]
@@ -102,16 +102,36 @@ class Dispatcher:
     # ---- one request ----
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, object], cache_salt: str | None,
                        max_tokens: int, block_size: int) -> AsyncGenerator[TokenChunk, None]:
-        """Route and stream; the first chunk or an ``APIError`` tells the caller where it stands."""
+        """Route and stream; the first chunk or an ``APIError`` tells the caller where it stands.
+
+        A remote prefill that fails before the first token (transfer error, prefill worker gone) is
+        retried once as a local prefill on the same decode worker: the client never sees it.
+        """
         block_hashes = hash_prompt_blocks(prompt_token_ids, block_size, cache_salt)
         route = self.route(prompt_token_ids, block_hashes, max_tokens)
-        self.metrics.routed(route, block_size)
+        self._remember(route, block_hashes)
+        for attempt in (route, replace(route, prefill_worker=None, prefill_overlap_blocks=0)):
+            self.metrics.routed(attempt, block_size)
+            started = False
+            async with contextlib.aclosing(self._attempt(attempt, prompt_token_ids, sampling, cache_salt,
+                                                         max_tokens, block_size)) as chunks:
+                async for chunk in chunks:
+                    if not started and chunk.error_kind == "transfer" and attempt.prefill_worker is not None:
+                        self.metrics.retries.inc()
+                        break  # retry locally
+                    started = True
+                    yield chunk
+            if started:
+                return
+
+    async def _attempt(self, route: Route, prompt_token_ids: list[int], sampling: dict[str, object],
+                       cache_salt: str | None, max_tokens: int, block_size: int) -> AsyncGenerator[TokenChunk, None]:
+        """One call to the decode worker, counted in this router's in-flight figures while it lasts."""
         request = GenerateRequest(f"req-{uuid.uuid4().hex}", prompt_token_ids, sampling, cache_salt,
                                   route.prefill_worker)
         prefiller = route.prefill_worker or route.decode_worker
         to_prefill = len(prompt_token_ids) - route.prefill_overlap_blocks * block_size
         needed = cdiv(len(prompt_token_ids) + max_tokens, block_size)
-        self._remember(route, block_hashes)
         inflight = self._inflight
         inflight.prefill_tokens[prefiller] += to_prefill
         inflight.requests[route.decode_worker] += 1

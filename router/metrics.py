@@ -31,6 +31,8 @@ class RouterMetrics:
                              registry=r)
         self.in_flight = Gauge("tandem_router_requests_in_flight", "Requests being served", registry=r)
         self.routes = Counter("tandem_router_routes", "Routing decisions", ["prefill"], registry=r)
+        self.retries = Counter("tandem_router_retries", "Remote prefills retried locally after a transfer error",
+                               registry=r)
         self.prompt_tokens = Counter("tandem_router_prompt_tokens", "Prompt tokens routed", registry=r)
         self.expected_hit_tokens = Counter(
             "tandem_router_expected_prefix_hit_tokens", "Prompt tokens the chosen worker holds per the index",
@@ -65,6 +67,8 @@ def merge_expositions(texts: Iterable[bytes]) -> bytes:
                 lines.append(f"{s.name}{{{labels}}} {value}" if labels else f"{s.name} {value}")
     out: list[str] = []
     for name, (kind, doc, lines) in families.items():
+        if not lines:
+            continue  # only creation timestamps
         out.append(f"# HELP {name} {_escape(doc)}")
         out.append(f"# TYPE {name} {kind}")
         out.extend(lines)

@@ -170,7 +170,12 @@ async def _stream(state: RouterState, completion: Completion, first: TokenChunk,
             event = completion.delta_event(tok, chunk)
             if event is not None:
                 yield event
-            chunk = await anext(chunks, None)
+            try:
+                chunk = await anext(chunks, None)
+            except APIError as e:  # the worker went away mid-stream
+                status = str(e.status)
+                yield error_event(e.status, e.message, e.code)
+                break
         if include_usage and status == "200":
             yield completion.usage_event()
         yield DONE_EVENT

@@ -4,9 +4,14 @@ Prefix-aware prefill choice (Dynamo's cost, in blocks):
 
     cost(w) = w_prefill × (prompt blocks − overlap(w) + queued prefill blocks(w)) + w_load × (running + waiting)(w)
 
-Ties are broken by ``tie_key`` (the prompt's first block hash): random across prefixes, yet the
-same on every router replica, so routers that see the same state make the same choice and a
-prefix nobody caches yet still lands on one worker from every router.
+Costs within ``prefix_affinity`` × the prompt's blocks of the best count as a tie, and a tie goes to
+the worker holding the longest prefix: moving a request off the worker that caches its prefix only
+pays when it is clearly faster, since the new worker must recompute (and cache, evicting others)
+that prefix, which sets off the same trade for the next request. Remaining ties go to the worker
+caching the fewest blocks (so new prefixes spread over the pool's cache instead of piling onto one
+worker and evicting each other), then by ``tie_key`` (the prompt's first block hash): random across
+prefixes, yet the same on every router replica, so routers that see the same state make the same
+choice and a prefix nobody caches yet lands on one worker from every router.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ class PolicyConfig:
     local_prefill_max_tokens: int = 64
     # ... or when the decode worker already holds at least this share of the prompt (multi-turn).
     local_prefill_min_overlap: float = 0.8
+    # Cost margin (a share of the prompt's blocks) within which the longest cached prefix wins.
+    prefix_affinity: float = 0.25
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.prefill_weight < 0 or self.load_weight < 0:
+        if self.prefill_weight < 0 or self.load_weight < 0 or self.prefix_affinity < 0:
             raise ValueError("policy weights must be non-negative")
 
 
@@ -43,6 +50,8 @@ class WorkerView(NamedTuple):
     num_waiting: int
     queued_prefill_tokens: int
     kv_blocks_free: int
+    # Blocks the worker's events say it caches (a tie-breaker: spread prefixes over the caches).
+    cached_blocks: int = 0
 
 
 def _pick(worker_ids: Sequence[str], tie_key: int) -> str:
@@ -63,8 +72,13 @@ def choose_prefill_worker(views: Sequence[WorkerView], overlaps: Mapping[str, in
         raise ValueError("no prefill workers")
     costs = {v.worker_id: prefill_cost(v, num_prompt_blocks, overlaps.get(v.worker_id, 0), block_size, config)
              for v in views}
+    margin = config.prefill_weight * config.prefix_affinity * num_prompt_blocks + 1e-9
     best = min(costs.values())
-    return _pick([w for w, c in costs.items() if c <= best + 1e-9], tie_key)
+    tied = [v for v in views if costs[v.worker_id] <= best + margin]
+    longest = max(overlaps.get(v.worker_id, 0) for v in tied)
+    tied = [v for v in tied if overlaps.get(v.worker_id, 0) == longest]
+    least_cached = min(v.cached_blocks for v in tied)
+    return _pick([v.worker_id for v in tied if v.cached_blocks == least_cached], tie_key)
 
 
 def choose_least_loaded(views: Sequence[WorkerView], tie_key: int) -> str:

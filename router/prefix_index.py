@@ -43,6 +43,7 @@ class PrefixIndex:
         self.root = _Node(None, None)
         self._nodes: dict[int, _Node] = {}
         self._worker_blocks: dict[str, set[int]] = {}
+        self._num_exact: dict[str, int] = {}
         # (expiry, worker, hash) of approximate tags, earliest first; stale entries are skipped.
         self._expiries: list[tuple[float, str, int]] = []
 
@@ -78,6 +79,10 @@ class PrefixIndex:
     def workers(self) -> list[str]:
         return [w for w, blocks in self._worker_blocks.items() if blocks]
 
+    def num_exact_blocks(self, worker: str) -> int:
+        """Blocks the worker's own events say it caches (the same on every router that follows them)."""
+        return self._num_exact.get(worker, 0)
+
     def blocks_of(self, worker: str) -> set[int]:
         """Hashes tagged with ``worker`` (exact or not yet expired)."""
         return set(self._worker_blocks.get(worker, ()))
@@ -101,8 +106,11 @@ class PrefixIndex:
         """``BlockRemoved``: the worker evicted these blocks."""
         for block_hash in block_hashes:
             node = self._nodes.get(block_hash)
-            if node is not None and node.workers.pop(worker, None) is not None:
+            expiry = node.workers.pop(worker, None) if node is not None else None
+            if node is not None and expiry is not None:
                 node.tagged.discard(worker)
+                if expiry == EXACT:
+                    self._num_exact[worker] -= 1
                 self._worker_blocks[worker].discard(block_hash)
                 self._prune(node)
 
@@ -110,6 +118,7 @@ class PrefixIndex:
         """``AllBlocksCleared``, or the worker left: drop all its tags."""
         self.apply_removed(worker, list(self._worker_blocks.get(worker, ())))
         self._worker_blocks.pop(worker, None)
+        self._num_exact.pop(worker, None)
 
     # ---- approximate updates (the router's own decisions) ----
     def insert_approximate(self, worker: str, block_hashes: Sequence[int], expires_at: float) -> None:
@@ -154,6 +163,8 @@ class PrefixIndex:
 
     def _tag(self, node: _Node, worker: str, expires_at: float) -> None:
         assert node.block_hash is not None
+        if expires_at == EXACT and node.workers.get(worker) != EXACT:
+            self._num_exact[worker] = self._num_exact.get(worker, 0) + 1
         node.workers[worker] = expires_at
         node.tagged.add(worker)
         self._worker_blocks.setdefault(worker, set()).add(node.block_hash)
@@ -181,6 +192,8 @@ class PrefixIndex:
         for worker, hashes in self._worker_blocks.items():
             for block_hash in hashes:
                 assert worker in self._nodes[block_hash].workers
+            exact = sum(self._nodes[h].workers[worker] == EXACT for h in hashes)
+            assert self._num_exact.get(worker, 0) == exact, (worker, exact)
         for node in seen.values():
             assert node.tagged == node.workers.keys()
             for worker in node.workers:

@@ -48,11 +48,17 @@ class RayWorkerClient:
         self._handles.pop(worker_id, None)
 
     async def generate(self, decode_worker: str, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        import ray
+
         from workers.actors import stream_generate
 
-        async with contextlib.aclosing(stream_generate(self._handle(decode_worker), request)) as stream:
-            async for chunk in stream:
-                yield chunk
+        try:
+            async with contextlib.aclosing(stream_generate(self._handle(decode_worker), request)) as stream:
+                async for chunk in stream:
+                    yield chunk
+        except ray.exceptions.RayActorError as e:  # the actor died; its registry entry expires shortly
+            self.forget(decode_worker)
+            raise WorkerUnreachable(f"decode worker {decode_worker!r} died: {e}") from e
 
     async def metrics(self, worker_id: str) -> bytes:
         return bytes(await self._handle(worker_id).metrics.remote())

@@ -168,9 +168,18 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit from the head of the queue, first come first served, with one exception: a request
+        whose next block another request is computing right now waits (others pass it) until that
+        block is cached, then reuses it instead of computing the same prefix twice."""
+        track = self.kv_cache.pool.enable_prefix_caching
+        in_flight = self._blocks_in_prefill() if track else set()
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            if in_flight and self._next_block_in_flight(request, num_cached, in_flight):
+                deferred.append(self.waiting.popleft())
+                continue
             request.num_computed_tokens = num_cached
             remote = request.remote_prefill
             num_new = request.num_tokens - num_cached if remote else self._chunk_len(request, budget)
@@ -190,6 +199,27 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             out.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
+            if track:
+                in_flight |= self._uncomputed_prompt_blocks(request)
+        self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
+
+    def _uncomputed_prompt_blocks(self, request: Request) -> set[int]:
+        bs = self.kv_cache.block_size
+        hashes = request.block_hashes(bs)[: request.num_prompt_tokens // bs]
+        return set(hashes[request.num_computed_tokens // bs :])
+
+    def _blocks_in_prefill(self) -> set[int]:
+        """Hashes of full prompt blocks that running requests have yet to compute."""
+        out: set[int] = set()
+        for request in self.running:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                out |= self._uncomputed_prompt_blocks(request)
+        return out
+
+    def _next_block_in_flight(self, request: Request, num_cached: int, in_flight: set[int]) -> bool:
+        hashes = request.block_hashes(self.kv_cache.block_size)
+        index = num_cached // self.kv_cache.block_size
+        return index < len(hashes) and hashes[index] in in_flight
 
     # ---- after the model ran ----
     def update_from_output(

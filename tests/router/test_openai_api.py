@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -120,4 +121,21 @@ def test_client_disconnect_cancels_on_every_worker(local_cluster):
     body["stream"] = False  # a non-streamed request whose client gives up
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{router.url}/v1/completions", json=body, timeout=1.0)
+    wait_idle(prefill, decode)
+
+
+def test_failed_transfer_is_retried_as_a_local_prefill(local_cluster, client, make_engine):
+    router, prefill, decode = local_cluster
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: every transfer to the decode worker is refused
+    decode.transport.address = lambda: {"backend": "tcp", "host": "127.0.0.1", "port": port}  # type: ignore[method-assign]
+    prompt = "Retry me: " + "a long enough prompt for a remote prefill " * 3
+    try:
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    finally:
+        del decode.transport.address
+    want = make_engine().generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0].text
+    assert reply.choices[0].text == want
+    assert "tandem_router_retries_total 1.0" in httpx.get(f"{router.url}/metrics").text
     wait_idle(prefill, decode)

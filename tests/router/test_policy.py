@@ -29,14 +29,25 @@ def test_prefill_prefers_the_longest_cached_prefix():
 
 
 def test_cached_prefix_is_weighed_against_queued_work_and_load():
+    pure = PolicyConfig(prefix_affinity=0.0)  # the bare cost, no margin for the cached prefix
     # p1 holds 50 of 64 blocks but has 60 blocks of queued prefill: p0 computes 64, p1 14 + 60.
     views = [view("p0"), view("p1", queued=60 * BS)]
-    assert choose_prefill_worker(views, {"p1": 50}, 64, BS, CFG, tie_key=0) == "p0"
-    assert prefill_cost(views[1], 64, 50, BS, CFG) == pytest.approx(74.0)
+    assert choose_prefill_worker(views, {"p1": 50}, 64, BS, pure, tie_key=0) == "p0"
+    assert prefill_cost(views[1], 64, 50, BS, pure) == pytest.approx(74.0)
     busy = [view("p0"), view("p1", running=20)]
-    assert choose_prefill_worker(busy, {"p1": 10}, 64, BS, CFG, tie_key=0) == "p0"
-    light = PolicyConfig(load_weight=0.1)
+    assert choose_prefill_worker(busy, {"p1": 10}, 64, BS, pure, tie_key=0) == "p0"
+    light = PolicyConfig(load_weight=0.1, prefix_affinity=0.0)
     assert choose_prefill_worker(busy, {"p1": 10}, 64, BS, light, tie_key=0) == "p1"
+
+
+def test_close_costs_stay_with_the_cached_prefix():
+    # p1 holds 60 of 64 blocks but has 62 blocks queued: 66 against p0's 64, within the margin (16).
+    views = [view("p0"), view("p1", queued=62 * BS)]
+    assert choose_prefill_worker(views, {"p1": 60}, 64, BS, CFG, tie_key=0) == "p1"
+    strict = PolicyConfig(prefix_affinity=0.0)
+    assert choose_prefill_worker(views, {"p1": 60}, 64, BS, strict, tie_key=0) == "p0"
+    swamped = [view("p0"), view("p1", queued=100 * BS)]  # clearly slower: the request moves
+    assert choose_prefill_worker(swamped, {"p1": 60}, 64, BS, CFG, tie_key=0) == "p0"
 
 
 def test_ties_break_by_key_the_same_everywhere():
@@ -45,6 +56,11 @@ def test_ties_break_by_key_the_same_everywhere():
     assert picks == {"p0", "p1", "p2", "p3"}  # spread over prefixes ...
     again = [choose_prefill_worker(list(reversed(views)), {}, 8, BS, CFG, tie_key=5) for _ in range(3)]
     assert again == [choose_prefill_worker(views, {}, 8, BS, CFG, tie_key=5)] * 3  # ... yet deterministic
+
+
+def test_new_prefixes_spread_over_the_caches():
+    views = [view("p0")._replace(cached_blocks=300), view("p1")._replace(cached_blocks=60)]
+    assert {choose_prefill_worker(views, {}, 64, BS, CFG, tie_key=k) for k in range(8)} == {"p1"}
 
 
 def test_decode_worker_with_most_free_kv_among_those_with_room():

@@ -104,3 +104,22 @@ def test_commit_after_abort_is_ignored(make_engine):
     decode.abort("a")
     assert decode.commit_remote_kv("a", 5, None) is None
     assert decode.block_pool.num_used_blocks == 0
+
+
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice(make_engine):
+    """Two requests sharing a long prefix arrive together: the second waits for the first's blocks."""
+    engine = make_engine(prefill_chunk_size=64, block_size=16)
+    shared = list(range(100, 420))  # 320 tokens: 5 chunks of prefill
+    prompts = [shared + [7, 8, 9], shared + [10, 11]]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            cached[out.request_id] = out.num_cached_tokens
+    assert cached == {ids[0]: 0, ids[1]: 320}  # every full block of the shared prefix reused
+    assert engine.stats().prefix_hit_tokens_total == 320
+    want = make_engine().generate(prompts, params)
+    assert [tokens[rid] for rid in ids] == [w.token_ids for w in want]

@@ -18,6 +18,7 @@ from tests.prompts import reference_prompts, text_of_tokens
 from workers.config import EngineConfig, WorkerResources
 from workers.nixl_transport import nixl_available
 from workers.protocol import GenerateRequest, PrefillRequest, TokenChunk, WorkerLoad, pack, sampling_to_dict, unpack
+from workers.publisher import PublishConfig
 from workers.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")
@@ -38,18 +39,21 @@ def ray_cluster():
     ray.shutdown()
 
 
-def start_cluster(transport: str, num_decode: int, tag: str) -> tuple[object, list[object]]:
+def start_cluster(transport: str, num_decode: int, tag: str,
+                  publish: PublishConfig | None = None) -> tuple[object, list[object]]:
     config = EngineConfig(kv_cache_bytes=KV_BYTES)
-    prefill = start_prefill_worker(f"{tag}-p0", config, RESOURCES, transport, NAMESPACE)
-    decodes = [start_decode_worker(f"{tag}-d{i}", config, RESOURCES, transport, NAMESPACE, transfer_timeout_s=5.0)
+    prefill = start_prefill_worker(f"{tag}-p0", config, RESOURCES, transport, NAMESPACE, publish)
+    decodes = [start_decode_worker(f"{tag}-d{i}", config, RESOURCES, transport, NAMESPACE, transfer_timeout_s=5.0,
+                                   publish=publish)
                for i in range(num_decode)]
     ray.get([w.ready.remote() for w in [prefill, *decodes]], timeout=300)
     return prefill, decodes
 
 
 @pytest.fixture(scope="module")
-def tcp_cluster(ray_cluster):
-    prefill, decodes = start_cluster("tcp", 2, "tcp")
+def tcp_cluster(ray_cluster, redis_url):
+    """Published to Redis under the cluster name ``ray-tcp`` (the router test reads it from there)."""
+    prefill, decodes = start_cluster("tcp", 2, "tcp", PublishConfig(redis_url, "ray-tcp"))
     yield prefill, decodes
     for w in [prefill, *decodes]:
         ray.kill(w)
@@ -189,3 +193,37 @@ def test_transfer_to_a_dead_or_silent_decode_worker_fails_in_time(tcp_cluster, m
     chunks = generate(d0, "after-victim", prompt, "tcp-p0")  # the prefill worker keeps serving
     assert chunks[-1].error is None and chunks[-1].num_output_tokens == GREEDY.max_tokens
     wait_until(lambda: used_blocks(prefill) == [0])
+
+
+def test_router_over_ray_workers_with_the_openai_client(tcp_cluster, redis_url, make_engine):
+    """The whole path: openai client -> router (HTTP) -> decode actor -> prefill actor, found through Redis."""
+    import httpx
+    import openai
+
+    from router.app import RouterConfig
+    from router.policy import PolicyConfig
+    from router.worker_client import RayWorkerClient
+    from tests.router.serve import serve_router
+
+    engine = make_engine()
+    config = RouterConfig(redis_url, "ray-tcp", served_model_name="smol",
+                          policy=PolicyConfig(local_prefill_max_tokens=8, local_prefill_min_overlap=1.0))
+    router = serve_router(config, RayWorkerClient(NAMESPACE), engine.tokenizer, min_workers=3)
+    try:
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        want = engine.generate([{"messages": messages}], SamplingParams(max_tokens=16, temperature=0.0))[0].text
+        reply = client.chat.completions.create(model="smol", messages=messages, max_tokens=16, temperature=0)
+        assert reply.choices[0].message.content == want
+        events = client.chat.completions.create(model="smol", messages=messages, max_tokens=16, temperature=0,
+                                                stream=True)
+        assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == want
+        metrics = httpx.get(f"{router.url}/metrics", timeout=30).text
+        for worker in ("tcp-p0", "tcp-d0", "tcp-d1"):
+            assert f'worker_id="{worker}"' in metrics
+        routes = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("tandem_router_routes_total")}
+        assert routes.get('tandem_router_routes_total{prefill="remote"}', 0) >= 1, routes
+        assert sum(routes.values()) == 2, routes
+    finally:
+        router.stop()

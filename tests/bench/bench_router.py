@@ -1,0 +1,289 @@
+"""Router benchmarks: prefix-aware routing against round-robin, and the router's own overhead.
+
+    .venv/bin/python tests/bench/bench_router.py prefix [--suffixes 12] [--trials 3]
+    .venv/bin/python tests/bench/bench_router.py overhead [--repeats 50]
+
+prefix: 8 system prompts of ~1,000 tokens, many short suffixes, 2 prefill workers and 1 decode
+worker (in-process services, KV over tcp, a random-weight 8-layer model so that the 2-core machine
+finishes), each prefill worker's KV pool holding about 5 of the 8 system prompts. The same shuffled
+requests (4 in flight) go through a router per policy, and through two prefix-aware routers
+sharing one Redis with requests alternating between them. Prefill on the decode worker is turned
+off so every prompt is routed to a prefill worker. Hit tokens are the prefill workers' prefix-cache
+hits; the ideal is every request but the first of each system prompt reusing its full blocks.
+
+overhead: TTFT of a short prompt through the router over HTTP against calling the decode service
+directly (same process, same engines, one request at a time), and ``PrefixIndex.match`` on an
+8K-token prompt with 16 workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+
+from cluster.embedded_redis import EmbeddedRedis  # noqa: E402
+from router.app import RouterConfig  # noqa: E402
+from router.policy import PolicyConfig  # noqa: E402
+from router.prefix_index import PrefixIndex  # noqa: E402
+from router.worker_client import LocalWorkerClient  # noqa: E402
+from tests.router.serve import serve_router  # noqa: E402
+from tests.tiny_model import tiny_model  # noqa: E402
+from workers.block_hash import hash_prompt_blocks  # noqa: E402
+from workers.config import EngineConfig  # noqa: E402
+from workers.decode_service import DecodeService  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+from workers.model import LlamaModel  # noqa: E402
+from workers.model_cache import prepared_source  # noqa: E402
+from workers.model_loader import resolve_model_source  # noqa: E402
+from workers.prefill_clients import LocalPrefillClient  # noqa: E402
+from workers.prefill_service import PrefillService  # noqa: E402
+from workers.protocol import GenerateRequest, sampling_to_dict  # noqa: E402
+from workers.publisher import PublishConfig  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
+from workers.tcp_transport import TcpTransport  # noqa: E402
+from workers.tokenizer import Tokenizer  # noqa: E402
+
+BS = 16
+SYSTEM_TOKENS = 1000
+NUM_SYSTEMS = 8
+MODEL = tiny_model(num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32)
+NO_LOCAL = dict(local_prefill_max_tokens=0, local_prefill_min_overlap=1.01)
+
+
+class Cluster:
+    """2 prefill + 1 decode services publishing to Redis under a fresh cluster name."""
+
+    def __init__(self, redis_url: str, tokenizer: Tokenizer, prefill_blocks: int, model: LlamaModel = MODEL):
+        self.name = f"bench-{uuid.uuid4().hex[:6]}"
+        publish = PublishConfig(redis_url, self.name)
+
+        def engine(blocks: int) -> Engine:
+            return Engine(EngineConfig(num_kv_blocks=blocks, block_size=BS, max_model_len=2048), model=model,
+                          tokenizer=tokenizer)
+
+        self.prefill = {f"p{i}": PrefillService(engine(prefill_blocks), TcpTransport(), f"p{i}", publish=publish)
+                        for i in range(2)}
+        self.decode = {"d0": DecodeService(engine(4096), TcpTransport(), "d0", LocalPrefillClient(self.prefill),
+                                           publish=publish)}
+        self.client = LocalWorkerClient(self.decode, self.prefill)
+
+    def prefill_hit_tokens(self) -> int:
+        return sum(s.loop.call(lambda e: e.stats().prefix_hit_tokens_total).result(timeout=30)
+                   for s in self.prefill.values())
+
+    def close(self) -> None:
+        for s in [*self.decode.values(), *self.prefill.values()]:
+            s.close()
+
+
+async def stream_ttft(client: httpx.AsyncClient, url: str, prompt: list[int]) -> float:
+    body = {"model": "tandem", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    ttft = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and ttft is None and json.loads(line[6:])["choices"][0]["text"]:
+                ttft = time.perf_counter() - t0
+    return ttft if ttft is not None else time.perf_counter() - t0
+
+
+async def drive(urls: list[str], prompts: list[list[int]], concurrency: int) -> list[float]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def one(i: int, prompt: list[int]) -> float:
+            async with sem:
+                return await stream_ttft(client, urls[i % len(urls)], prompt)
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+def run_prefix(args: argparse.Namespace) -> None:
+    tokenizer = Tokenizer.load(prepared_source(resolve_model_source(None)))
+    labels = (("round_robin", "round_robin", 1), ("prefix_aware", "prefix_aware", 1),
+              ("prefix_aware x2 routers", "prefix_aware", 2))
+    hit_rates: dict[str, list[float]] = {label: [] for label, _, _ in labels}
+    p50s: dict[str, list[float]] = {label: [] for label, _, _ in labels}
+    prefill_blocks = 5 * (SYSTEM_TOKENS + 64) // BS + 16  # ~5 of the 8 system prompts
+    with EmbeddedRedis() as redis_url:
+        for trial in range(args.trials):
+            rng = random.Random(trial)
+            systems = [[rng.randrange(3, 49152) for _ in range(SYSTEM_TOKENS)] for _ in range(NUM_SYSTEMS)]
+            prompts = [systems[s] + [rng.randrange(3, 49152) for _ in range(rng.randrange(16, 64))]
+                       for s in range(NUM_SYSTEMS) for _ in range(args.suffixes)]
+            rng.shuffle(prompts)
+            ideal = (len(prompts) - NUM_SYSTEMS) * (SYSTEM_TOKENS // BS) * BS
+            print(f"trial {trial}: {len(prompts)} requests over {NUM_SYSTEMS} system prompts of {SYSTEM_TOKENS} "
+                  f"tokens; {args.concurrency} in flight; prefill KV pools of {prefill_blocks} blocks; "
+                  f"ideal hits {ideal} tokens")
+            for label, policy, num_routers in labels:
+                cluster = Cluster(redis_url, tokenizer, prefill_blocks)
+                routers = [serve_router(RouterConfig(redis_url, cluster.name,
+                                                     policy=PolicyConfig(policy, **NO_LOCAL)),
+                                        cluster.client, tokenizer, min_workers=3) for _ in range(num_routers)]
+                try:
+                    before = cluster.prefill_hit_tokens()
+                    t0 = time.perf_counter()
+                    ttfts = asyncio.run(drive([r.url for r in routers], prompts, args.concurrency))
+                    elapsed = time.perf_counter() - t0
+                    hits = cluster.prefill_hit_tokens() - before
+                finally:
+                    for r in routers:
+                        r.stop()
+                    cluster.close()
+                hit_rates[label].append(hits / ideal)
+                p50s[label].append(statistics.median(ttfts) * 1000)
+                print(f"  {label:26s} hit tokens {hits:7d} = {hits / ideal:6.1%} of ideal   TTFT p50 "
+                      f"{p50s[label][-1]:7.1f} ms   p90 {statistics.quantiles(ttfts, n=10)[-1] * 1000:7.1f} ms   "
+                      f"wall {elapsed:5.1f} s")
+    hit = {label: statistics.median(v) for label, v in hit_rates.items()}
+    p50 = {label: statistics.median(v) for label, v in p50s.items()}
+    one, two = hit["prefix_aware"], hit["prefix_aware x2 routers"]
+    print(f"medians over {args.trials} trials: prefix_aware {one:.1%} of ideal hits (target >= 90%); TTFT p50 "
+          f"{p50['prefix_aware']:.0f} ms vs round_robin {p50['round_robin']:.0f} ms = "
+          f"{p50['round_robin'] / p50['prefix_aware']:.2f}x better (target >= 2x); two routers {two:.1%} vs one "
+          f"{one:.1%} ({abs(two - one) * 100:.1f} points, target <= 3)")
+
+
+_CLIENT = """
+import asyncio, json, random, statistics, sys, time
+import httpx
+sys.path.insert(0, sys.argv[1])
+from tests.bench.bench_router import stream_ttft
+router_url, noop_url = sys.argv[2], sys.argv[3]
+rng = random.Random(2)
+async def main():
+    async with httpx.AsyncClient(timeout=60) as client:
+        while sys.stdin.readline():  # one line per round, so rounds interleave with the direct calls
+            router = await stream_ttft(client, router_url, [rng.randrange(3, 49152) for _ in range(32)])
+            noop = await stream_ttft(client, noop_url, [1, 2, 3])
+            print(json.dumps([router, noop]), flush=True)
+asyncio.run(main())
+"""
+
+
+def noop_sse_server() -> tuple[str, Any]:
+    """The HTTP + SSE stack alone: an endpoint that answers one event at once (same framework, same server)."""
+    from fastapi import FastAPI
+
+    from router.sse import EventStreamResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def noop(body: dict[str, Any]) -> EventStreamResponse:
+        async def events() -> AsyncIterator[str]:
+            yield 'data: {"choices": [{"text": "x"}]}\n\n'
+            yield "data: [DONE]\n\n"
+
+        return EventStreamResponse(events())
+
+    import socket
+    import threading
+
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server
+
+
+def run_overhead(args: argparse.Namespace) -> None:
+    tokenizer = Tokenizer.load(prepared_source(resolve_model_source(None)))
+    rng = random.Random(1)
+    with EmbeddedRedis() as redis_url:
+        cluster = Cluster(redis_url, tokenizer, 512, model=tiny_model())  # a fast step: the overhead shows
+        router = serve_router(RouterConfig(redis_url, cluster.name, policy=PolicyConfig(local_prefill_max_tokens=64)),
+                              cluster.client, tokenizer, min_workers=3)
+        noop_url, noop = noop_sse_server()
+        decode = cluster.decode["d0"]
+        params = sampling_to_dict(SamplingParams(max_tokens=1, temperature=0.0))
+
+        async def direct() -> float:
+            prompt = [rng.randrange(3, 49152) for _ in range(32)]  # short: local prefill, no transfer
+            t0 = time.perf_counter()
+            async for _ in decode.generate(GenerateRequest(uuid.uuid4().hex, prompt, params)):
+                break
+            return time.perf_counter() - t0
+
+        # The HTTP client in its own process, as real clients are (no GIL shared with the router);
+        # one direct call, then one call through the router, round after round.
+        root = str(Path(__file__).resolve().parents[2])
+        child = subprocess.Popen([sys.executable, "-c", _CLIENT, root, router.url, noop_url],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert child.stdin is not None and child.stdout is not None
+        direct_calls: list[float] = []
+        measured: dict[str, list[float]] = {"router": [], "noop": []}
+        try:
+            for _ in range(args.repeats):
+                direct_calls.append(asyncio.run(direct()))
+                child.stdin.write("go\n")
+                child.stdin.flush()
+                via_router, via_noop = json.loads(child.stdout.readline())
+                measured["router"].append(via_router)
+                measured["noop"].append(via_noop)
+        finally:
+            child.stdin.close()
+            child.wait(timeout=30)
+            router.stop()
+            noop.should_exit = True
+            cluster.close()
+    r, d = statistics.median(measured["router"]) * 1000, statistics.median(direct_calls) * 1000
+    n = statistics.median(measured["noop"]) * 1000
+    print(f"TTFT of a 32-token prompt, median of {args.repeats}: via router {r:.2f} ms, direct call {d:.2f} ms: "
+          f"router adds {r - d:.2f} ms (target <= 2 ms), of which the HTTP + SSE round trip alone (a no-op "
+          f"endpoint on the same stack) is {n:.2f} ms and the router's own work {r - d - n:.2f} ms")
+
+    index = PrefixIndex()
+    tokens = [rng.randrange(49152) for _ in range(8192)]
+    hashes = hash_prompt_blocks(tokens, BS)
+    for w in range(16):  # every worker holds a different share of the prompt
+        index.apply_stored(f"w{w}", hashes[: len(hashes) * (w + 1) // 16], None)
+    times = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        index.match(hashes)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    hash_prompt_blocks(tokens, BS)
+    hash_us = (time.perf_counter() - t0) * 1e6
+    print(f"match on an 8K-token prompt ({len(hashes)} blocks), 16 workers: median "
+          f"{statistics.median(times) * 1e6:.0f} us (target <= 200 us); hashing its blocks {hash_us:.0f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("prefix")
+    p.add_argument("--suffixes", type=int, default=12, help="requests per system prompt")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--trials", type=int, default=3, help="independent runs; medians are reported")
+    o = sub.add_parser("overhead")
+    o.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args()
+    run_prefix(args) if args.mode == "prefix" else run_overhead(args)
+
+
+if __name__ == "__main__":
+    main()
