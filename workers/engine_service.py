@@ -47,7 +47,7 @@ class EngineService:
                           stats.prefix_hit_tokens_total)
 
     def _read_load(self) -> WorkerLoad:
-        """Publisher thread: a load report, waiting at most one report interval for the engine thread."""
+        """Publisher thread: a load report, read on the engine thread between two steps (up to 1 s)."""
         return self.loop.call(self._load_of).result(timeout=1.0)
 
     def _read_snapshot(self) -> tuple[WorkerLoad, list[KVEvent], list[tuple[int, int | None]]]:
