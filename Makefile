@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Main job: until the cluster lands (issue 6), generate on a sample chat prompt with the local engine.
+# Main job: the whole cluster on this machine (local Ray, embedded Redis, 1 prefill + 1 decode worker).
 serve: $(STAMP)
-	$(VENV)/bin/tandem generate --chat --prompt "What is the capital of France?" --max-tokens 32
+	$(VENV)/bin/tandem serve
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

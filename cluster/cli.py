@@ -6,13 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from cluster import generate_cmd
+from cluster import generate_cmd, serve_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.add_parser(sub)
+    serve_cmd.add_parser(sub)
     sub.add_parser("loadgen", help="goodput under SLOs against any OpenAI-compatible server (see --help)",
                    add_help=False)
     return parser

@@ -1,0 +1,178 @@
+"""The one cluster YAML: a pydantic schema composed of what each package consumes.
+
+    config = load_config("deploy/local-cpu.yaml")   # or ClusterConfig() for the built-in default
+
+Unknown keys and bad values fail at start with the key's path and a one-line reason
+(``ConfigError``), e.g. ``decode.replicas: must be between min_replicas (1) and max_replicas (4)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from router.policy import PolicyConfig
+from workers.config import EngineConfig, WorkerResources
+
+
+class ConfigError(ValueError):
+    """A bad cluster config; the message is one line naming the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, validate_default=True)
+
+
+class ModelSection(_Strict):
+    path: str | None = None  # GGUF file or HF directory; None: the bundled SmolLM2-135M-Instruct
+    served_name: str | None = None
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: int | None = Field(default=2048, ge=16)
+
+
+class EngineSection(_Strict):
+    block_size: int = Field(default=16, ge=1, le=1024)
+    kv_cache_bytes: int = Field(default=256 << 20, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=8192, ge=16)
+    prefill_chunk_size: int | None = Field(default=512, ge=16)
+    enable_prefix_caching: bool = True
+
+
+class ResourcesSection(_Strict):
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+    torch_threads: int | None = Field(default=None, ge=1)
+
+
+class PoolSection(_Strict):
+    replicas: int = Field(default=1, ge=0)
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    resources: ResourcesSection = Field(default_factory=ResourcesSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolSection:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(f"replicas ({self.replicas}) must be between min_replicas ({self.min_replicas}) "
+                             f"and max_replicas ({self.max_replicas})")
+        return self
+
+
+class TransportSection(_Strict):
+    backend: Literal["tcp", "nixl"] = "tcp"
+    timeout_s: float = Field(default=30.0, gt=0)
+
+
+class RouterSection(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    policy: Literal["prefix_aware", "round_robin", "least_loaded"] = "prefix_aware"
+    prefill_weight: float = Field(default=1.0, ge=0)
+    load_weight: float = Field(default=1.0, ge=0)
+    local_prefill_max_tokens: int = Field(default=64, ge=0)
+    local_prefill_min_overlap: float = Field(default=0.8, ge=0)
+    prefix_affinity: float = Field(default=0.25, ge=0)
+    approx_ttl_s: float = Field(default=2.0, gt=0)
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(self.policy, self.prefill_weight, self.load_weight, self.local_prefill_max_tokens,
+                            self.local_prefill_min_overlap, self.prefix_affinity)
+
+
+class RedisSection(_Strict):
+    url: str | None = None  # None: start an embedded redis-server
+
+
+class RaySection(_Strict):
+    address: str | None = None  # None: start a local Ray cluster
+    namespace: str = "tandem"
+    num_cpus: int | None = Field(default=None, ge=1)  # of a local cluster; None: this machine's cores
+
+
+class SLOSection(_Strict):
+    ttft_ms: float = Field(default=2000.0, gt=0)
+    tpot_ms: float = Field(default=200.0, gt=0)
+    attainment: float = Field(default=0.9, gt=0, le=1)
+
+
+class AutoscalerSection(_Strict):
+    enabled: bool = False
+    interval_s: float = Field(default=15.0, gt=0)
+    scale_down_delay_s: float = Field(default=120.0, ge=0)
+
+
+class ClusterConfig(_Strict):
+    name: str = "default"
+    model: ModelSection = Field(default_factory=ModelSection)
+    prefill: PoolSection = Field(default_factory=PoolSection)
+    decode: PoolSection = Field(default_factory=PoolSection)
+    transport: TransportSection = Field(default_factory=TransportSection)
+    router: RouterSection = Field(default_factory=RouterSection)
+    redis: RedisSection = Field(default_factory=RedisSection)
+    ray: RaySection = Field(default_factory=RaySection)
+    slo: SLOSection = Field(default_factory=SLOSection)
+    autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection)
+
+    def engine_config(self, role: str) -> EngineConfig:
+        e = (self.prefill if role == "prefill" else self.decode).engine
+        return EngineConfig(model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len,
+                            block_size=e.block_size, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
+                            max_num_batched_tokens=e.max_num_batched_tokens,
+                            prefill_chunk_size=e.prefill_chunk_size, enable_prefix_caching=e.enable_prefix_caching)
+
+    def worker_resources(self, role: str) -> WorkerResources:
+        r = (self.prefill if role == "prefill" else self.decode).resources
+        return WorkerResources(r.num_cpus, r.num_gpus, dict(r.resources), r.torch_threads)
+
+
+def _one_line(error: ValidationError) -> str:
+    first = error.errors()[0]
+    path = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    if first["type"] == "extra_forbidden":
+        return f"{path}: unknown key"
+    message = str(first["msg"]).removeprefix("Value error, ")
+    return f"{path}: {message}"
+
+
+def parse_config(data: dict[str, Any] | None) -> ClusterConfig:
+    try:
+        return ClusterConfig.model_validate(data or {})
+    except ValidationError as e:
+        raise ConfigError(_one_line(e)) from None
+
+
+def load_config(path: str | Path | None) -> ClusterConfig:
+    """The YAML at ``path``, or the built-in default (``deploy/local-cpu.yaml`` spells it out)."""
+    if path is None:
+        return ClusterConfig()
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not YAML: {str(e).splitlines()[0]}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return parse_config(data)
+
+
+def check_kv_budget(config: ClusterConfig, kv_bytes_per_token: int, model_max_len: int) -> None:
+    """Each pool's KV pool must hold at least one request of ``max_model_len`` tokens."""
+    max_len = config.model.max_model_len or model_max_len
+    for role in ("prefill", "decode"):
+        engine = (config.prefill if role == "prefill" else config.decode).engine
+        block_bytes = kv_bytes_per_token * engine.block_size
+        num_blocks = engine.kv_cache_bytes // block_bytes
+        needed = -(-max_len // engine.block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                f"{role}.engine.kv_cache_bytes: {engine.kv_cache_bytes} bytes hold {num_blocks} blocks, but one "
+                f"request of max_model_len {max_len} needs {needed} ({needed * block_bytes} bytes)")

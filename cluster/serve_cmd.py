@@ -1,0 +1,85 @@
+"""``tandem serve``: a whole cluster from one YAML (or the built-in default), until Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from cluster.config import ClusterConfig, ConfigError, load_config
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="start Ray workers, Redis and the OpenAI-compatible router")
+    p.add_argument("-c", "--config", help="cluster YAML (default: the built-in local-cpu setup)")
+    p.add_argument("--prefill", type=int, help="prefill workers")
+    p.add_argument("--decode", type=int, help="decode workers")
+    p.add_argument("--host", help="router address")
+    p.add_argument("--port", type=int, help="router port")
+    p.add_argument("--redis", help="external Redis URL (default: an embedded redis-server)")
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    p.set_defaults(func=run)
+
+
+def apply_flags(config: ClusterConfig, args: argparse.Namespace) -> ClusterConfig:
+    """Command-line flags over the YAML, validated like the YAML."""
+    from cluster.config import parse_config
+
+    data = config.model_dump()
+    for role in ("prefill", "decode"):
+        n = getattr(args, role)
+        if n is not None:
+            pool = data[role]
+            pool["replicas"] = n
+            pool["min_replicas"] = min(pool["min_replicas"], n)
+            pool["max_replicas"] = max(pool["max_replicas"], n, 1)
+    for flag, section, key in (("host", "router", "host"), ("port", "router", "port"), ("redis", "redis", "url"),
+                               ("ray_address", "ray", "address")):
+        if getattr(args, flag) is not None:
+            data[section][key] = getattr(args, flag)
+    return parse_config(data)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from cluster.launcher import Launcher, say
+    from router.app import RouterConfig, create_app
+    from router.worker_client import RayWorkerClient
+
+    try:
+        config = apply_flags(load_config(args.config), args)
+        launcher = Launcher(config)
+        launcher.check_model()
+    except ConfigError as e:
+        print(f"tandem serve: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        launcher.start()
+        router = RouterConfig(launcher.redis_url, config.name, config.model.path, config.model.served_name,
+                              config.router.policy_config(), config.router.approx_ttl_s)
+        app = create_app(router, RayWorkerClient(config.ray.namespace))
+        server = uvicorn.Server(uvicorn.Config(app, host=config.router.host, port=config.router.port,
+                                               log_level="warning"))
+        url = f"http://{config.router.host}:{config.router.port}"
+        threading.Thread(target=_announce, args=(server, url, say), daemon=True).start()
+        try:
+            server.run()  # returns on Ctrl-C / SIGTERM after a graceful shutdown ...
+        except (KeyboardInterrupt, SystemExit) as e:
+            # ... and then re-raises the signal, which Ray's driver handler turns into sys.exit(signum).
+            if isinstance(e, SystemExit) and e.code not in (signal.SIGTERM, signal.SIGINT):
+                raise
+        return 0 if server.started else 1
+    finally:
+        say("stopping")
+        launcher.stop()
+
+
+def _announce(server: Any, url: str, say: Any) -> None:
+    while not server.started and not server.should_exit:
+        time.sleep(0.05)
+    if server.started:
+        say(f"ready: {url}  (OpenAI API under {url}/v1; Ctrl-C stops everything)")
