@@ -132,6 +132,20 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
                 "redis": state.directory.last_poll_ok}
         return JSONResponse(body, 200 if ok else 503, headers=None if ok else {"Retry-After": "1"})
 
+    @app.get("/cluster/status")
+    async def cluster_status(request: Request) -> dict[str, object]:
+        """Pools and every live worker's last load report (what ``tandem status`` shows)."""
+        state: RouterState = request.app.state.router
+        now = time.monotonic()
+        workers = [{"id": w, "role": e.info.role, "healthy": now - e.seen_at < 5.0,
+                    "num_running": e.load.num_running, "num_waiting": e.load.num_waiting,
+                    "kv_blocks_used": e.load.kv_blocks_used, "kv_blocks_total": e.load.kv_blocks_total,
+                    "prefix_cache_hit_tokens": e.load.prefix_cache_hit_tokens,
+                    "queued_prefill_tokens": e.load.waiting_prefill_tokens}
+                   for w, e in sorted(state.directory.workers.items())]
+        pools = {role: sum(1 for w in workers if w["role"] == role) for role in ("prefill", "decode")}
+        return {"cluster": state.config.cluster, "model": state.model_name, "pools": pools, "workers": workers}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, object]:
         state: RouterState = request.app.state.router

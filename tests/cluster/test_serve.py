@@ -3,6 +3,7 @@ stops everything it started."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -58,6 +59,16 @@ def test_serve_answers_then_stops_everything_it_started(make_engine, tmp_path):
                                                temperature=0)
         want = make_engine().generate([{"messages": messages}], SamplingParams(max_tokens=16, temperature=0.0))
         assert reply.choices[0].message.content == want[0].text
+        status = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", url, "--json"],
+                                capture_output=True, text=True, timeout=60, check=True)
+        workers = {w["id"]: w for w in json.loads(status.stdout)["workers"]}
+        assert sorted(workers) == ["decode-0", "prefill-0"]
+        for w in workers.values():
+            assert w["healthy"] and w["num_running"] == 0 and w["num_waiting"] == 0
+            assert 0 <= w["kv_blocks_used"] < w["kv_blocks_total"] and w["prefix_cache_hit_tokens"] >= 0
+        table = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", url], capture_output=True,
+                               text=True, timeout=60, check=True).stdout
+        assert "decode-0" in table and "prefill-0" in table
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=90)
