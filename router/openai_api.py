@@ -81,24 +81,26 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens
 
 
 async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> Response:
+    """Counts the request; a stream is counted by ``_stream`` when it ends."""
     state: RouterState = request.app.state.router
-    arrival = time.perf_counter()
     endpoint = request.url.path
     state.metrics.in_flight.inc()
+    status = "500"
+    response: Response | None = None
     try:
-        response = await _respond(request, state, body, kind, arrival)
+        response = await _respond(request, state, body, kind, time.perf_counter())
+        status = str(response.status_code)
+        return response
     except APIError as e:
-        state.metrics.requests.labels(endpoint, str(e.status)).inc()
-        state.metrics.in_flight.dec()
+        status = str(e.status)
         raise
     except InvalidRequestError:
-        state.metrics.requests.labels(endpoint, "400").inc()
-        state.metrics.in_flight.dec()
+        status = "400"
         raise
-    if not isinstance(response, EventStreamResponse):
-        state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        state.metrics.in_flight.dec()
-    return response
+    finally:
+        if not isinstance(response, EventStreamResponse):
+            state.metrics.requests.labels(endpoint, status).inc()
+            state.metrics.in_flight.dec()
 
 
 async def _respond(request: Request, state: RouterState, body: ChatCompletionRequest | CompletionRequest,
