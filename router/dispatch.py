@@ -40,7 +40,7 @@ class Route:
     decode_worker: str
     prefill_worker: str | None  # None: prefill on the decode worker
     prefill_overlap_blocks: int  # cached leading blocks on the worker that prefills
-    num_prompt_blocks: int
+    kv_blocks_needed: int  # prompt + max_tokens, on the decode worker
 
 
 @dataclass
@@ -72,13 +72,13 @@ class Dispatcher:
                           max(load.waiting_prefill_tokens, self._inflight.prefill_tokens[w]),
                           load.kv_blocks_total - used, self.index.num_exact_blocks(w))
 
-    def route(self, prompt_token_ids: list[int], block_hashes: list[int], max_tokens: int) -> Route:
+    def route(self, prompt_token_ids: list[int], block_hashes: list[int], max_tokens: int,
+              block_size: int) -> Route:
         decoders = [self._view(e) for e in self.directory.live("decode")]
         prefillers = [self._view(e) for e in self.directory.live("prefill")]
         if not decoders:
             raise APIError(503, "no decode worker is available; try again shortly", "service_unavailable",
                            retry_after_s=1)
-        block_size = self.directory.live("decode")[0].info.block_size
         num_blocks = len(block_hashes)
         tie_key = block_hashes[0] if block_hashes else hash_block(ROOT_HASH, prompt_token_ids)
         needed = cdiv(len(prompt_token_ids) + max_tokens, block_size)
@@ -90,14 +90,14 @@ class Dispatcher:
         decode_overlap = overlaps.get(decode, 0)
         if not prefillers or (self.policy.policy == "prefix_aware" and should_prefill_locally(
                 len(prompt_token_ids), decode_overlap * block_size, self.policy)):
-            return Route(decode, None, decode_overlap, num_blocks)
+            return Route(decode, None, decode_overlap, needed)
         if self.policy.policy == "round_robin":
             prefill = self._round_robin.choose(prefillers)
         elif self.policy.policy == "least_loaded":
             prefill = choose_least_loaded(prefillers, tie_key)
         else:
             prefill = choose_prefill_worker(prefillers, overlaps, num_blocks, block_size, self.policy, tie_key)
-        return Route(decode, prefill, overlaps.get(prefill, 0), num_blocks)
+        return Route(decode, prefill, overlaps.get(prefill, 0), needed)
 
     # ---- one request ----
     async def generate(self, prompt_token_ids: list[int], sampling: dict[str, object], cache_salt: str | None,
@@ -108,13 +108,13 @@ class Dispatcher:
         retried once as a local prefill on the same decode worker: the client never sees it.
         """
         block_hashes = hash_prompt_blocks(prompt_token_ids, block_size, cache_salt)
-        route = self.route(prompt_token_ids, block_hashes, max_tokens)
+        route = self.route(prompt_token_ids, block_hashes, max_tokens, block_size)
         self._remember(route, block_hashes)
         for attempt in (route, replace(route, prefill_worker=None, prefill_overlap_blocks=0)):
             self.metrics.routed(attempt, block_size)
             started = False
             async with contextlib.aclosing(self._attempt(attempt, prompt_token_ids, sampling, cache_salt,
-                                                         max_tokens, block_size)) as chunks:
+                                                         block_size)) as chunks:
                 async for chunk in chunks:
                     if not started and chunk.error_kind == "transfer" and attempt.prefill_worker is not None:
                         self.metrics.retries.inc()
@@ -125,13 +125,13 @@ class Dispatcher:
                 return
 
     async def _attempt(self, route: Route, prompt_token_ids: list[int], sampling: dict[str, object],
-                       cache_salt: str | None, max_tokens: int, block_size: int) -> AsyncGenerator[TokenChunk, None]:
+                       cache_salt: str | None, block_size: int) -> AsyncGenerator[TokenChunk, None]:
         """One call to the decode worker, counted in this router's in-flight figures while it lasts."""
         request = GenerateRequest(f"req-{uuid.uuid4().hex}", prompt_token_ids, sampling, cache_salt,
                                   route.prefill_worker)
         prefiller = route.prefill_worker or route.decode_worker
         to_prefill = len(prompt_token_ids) - route.prefill_overlap_blocks * block_size
-        needed = cdiv(len(prompt_token_ids) + max_tokens, block_size)
+        needed = route.kv_blocks_needed
         inflight = self._inflight
         inflight.prefill_tokens[prefiller] += to_prefill
         inflight.requests[route.decode_worker] += 1

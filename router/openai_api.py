@@ -139,17 +139,22 @@ async def _first_chunk(chunks: AsyncGenerator[TokenChunk, None]) -> TokenChunk:
         raise APIError(500, "the worker ended the stream without a token") from e
     if first.error is not None:
         await chunks.aclose()
-        status = WORKER_ERROR_STATUS.get(first.error_kind or "internal", 500)
-        raise APIError(status, first.error, first.error_kind, retry_after_s=1 if status == 503 else None)
+        raise _worker_error(first)
     return first
+
+
+def _worker_error(chunk: TokenChunk) -> APIError:
+    """A worker's error chunk as the HTTP error its kind means."""
+    status = WORKER_ERROR_STATUS.get(chunk.error_kind or "internal", 500)
+    return APIError(status, chunk.error or "the worker failed", chunk.error_kind,
+                    retry_after_s=1 if status == 503 else None)
 
 
 async def _collect(completion: Completion, first: TokenChunk, chunks: AsyncGenerator[TokenChunk, None]) -> Completion:
     completion.add(first)
     async for chunk in chunks:
         if chunk.error is not None:
-            raise APIError(WORKER_ERROR_STATUS.get(chunk.error_kind or "internal", 500), chunk.error,
-                           chunk.error_kind)
+            raise _worker_error(chunk)
         completion.add(chunk)
     return completion
 
@@ -165,8 +170,9 @@ async def _stream(state: RouterState, completion: Completion, first: TokenChunk,
         chunk: TokenChunk | None = first
         while chunk is not None:
             if chunk.error is not None:
-                status = str(WORKER_ERROR_STATUS.get(chunk.error_kind or "internal", 500))
-                yield error_event(int(status), chunk.error, chunk.error_kind)
+                error = _worker_error(chunk)
+                status = str(error.status)
+                yield error_event(error.status, error.message, error.code)
                 break
             completion.add(chunk)
             event = completion.delta_event(tok, chunk)
