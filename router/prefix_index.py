@@ -75,10 +75,6 @@ class PrefixIndex:
             overlaps[worker] = depth
         return overlaps
 
-    @property
-    def workers(self) -> list[str]:
-        return [w for w, blocks in self._worker_blocks.items() if blocks]
-
     def num_exact_blocks(self, worker: str) -> int:
         """Blocks the worker's own events say it caches (the same on every router that follows them)."""
         return self._num_exact.get(worker, 0)

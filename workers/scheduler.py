@@ -171,6 +171,8 @@ class Scheduler:
         """Admit from the head of the queue, first come first served, with one exception: a request
         whose next block another request is computing right now waits (others pass it) until that
         block is cached, then reuses it instead of computing the same prefix twice."""
+        if not self.waiting:
+            return  # the common decode-only step: no walk over the running requests' blocks
         track = self.kv_cache.pool.enable_prefix_caching
         in_flight = self._blocks_in_prefill() if track else set()
         deferred: list[Request] = []
