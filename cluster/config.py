@@ -121,15 +121,19 @@ class ClusterConfig(_Strict):
     slo: SLOSection = Field(default_factory=SLOSection)
     autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection)
 
+    def pool(self, role: str) -> PoolSection:
+        """The ``prefill`` or ``decode`` section."""
+        return self.prefill if role == "prefill" else self.decode
+
     def engine_config(self, role: str) -> EngineConfig:
-        e = (self.prefill if role == "prefill" else self.decode).engine
+        e = self.pool(role).engine
         return EngineConfig(model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len,
                             block_size=e.block_size, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
                             max_num_batched_tokens=e.max_num_batched_tokens,
                             prefill_chunk_size=e.prefill_chunk_size, enable_prefix_caching=e.enable_prefix_caching)
 
     def worker_resources(self, role: str) -> WorkerResources:
-        r = (self.prefill if role == "prefill" else self.decode).resources
+        r = self.pool(role).resources
         return WorkerResources(r.num_cpus, r.num_gpus, dict(r.resources), r.torch_threads)
 
 
@@ -168,7 +172,7 @@ def check_kv_budget(config: ClusterConfig, kv_bytes_per_token: int, model_max_le
     """Each pool's KV pool must hold at least one request of ``max_model_len`` tokens."""
     max_len = config.model.max_model_len or model_max_len
     for role in ("prefill", "decode"):
-        engine = (config.prefill if role == "prefill" else config.decode).engine
+        engine = config.pool(role).engine
         block_bytes = kv_bytes_per_token * engine.block_size
         num_blocks = engine.kv_cache_bytes // block_bytes
         needed = -(-max_len // engine.block_size)

@@ -57,7 +57,7 @@ class Launcher:
                      runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
             self._started_ray = True
         for role in ("prefill", "decode"):
-            for i in range((cfg.prefill if role == "prefill" else cfg.decode).replicas):
+            for i in range(cfg.pool(role).replicas):
                 self.add_worker(role, f"{role}-{i}")
         self.wait_ready()
 
