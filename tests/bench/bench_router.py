@@ -42,7 +42,7 @@ from router.app import RouterConfig  # noqa: E402
 from router.policy import PolicyConfig  # noqa: E402
 from router.prefix_index import PrefixIndex  # noqa: E402
 from router.worker_client import LocalWorkerClient  # noqa: E402
-from tests.router.serve import serve_router  # noqa: E402
+from tests.router.serve import AppServer, serve_app, serve_router  # noqa: E402
 from tests.tiny_model import tiny_model  # noqa: E402
 from workers.block_hash import hash_prompt_blocks  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
@@ -63,7 +63,11 @@ BS = 16
 SYSTEM_TOKENS = 1000
 NUM_SYSTEMS = 8
 MODEL = tiny_model(num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32)
-NO_LOCAL = dict(local_prefill_max_tokens=0, local_prefill_min_overlap=1.01)
+
+
+def remote_prefill_only(policy: str) -> PolicyConfig:
+    """Every prompt routed to a prefill worker (never prefilled on the decode worker)."""
+    return PolicyConfig(policy, local_prefill_max_tokens=0, local_prefill_min_overlap=1.01)
 
 
 class Cluster:
@@ -135,7 +139,7 @@ def run_prefix(args: argparse.Namespace) -> None:
             for label, policy, num_routers in labels:
                 cluster = Cluster(redis_url, tokenizer, prefill_blocks)
                 routers = [serve_router(RouterConfig(redis_url, cluster.name,
-                                                     policy=PolicyConfig(policy, **NO_LOCAL)),
+                                                     policy=remote_prefill_only(policy)),
                                         cluster.client, tokenizer, min_workers=3) for _ in range(num_routers)]
                 try:
                     before = cluster.prefill_hit_tokens()
@@ -178,7 +182,7 @@ asyncio.run(main())
 """
 
 
-def noop_sse_server() -> tuple[str, Any]:
+def noop_sse_server() -> AppServer:
     """The HTTP + SSE stack alone: an endpoint that answers one event at once (same framework, same server)."""
     from fastapi import FastAPI
 
@@ -194,19 +198,7 @@ def noop_sse_server() -> tuple[str, Any]:
 
         return EventStreamResponse(events())
 
-    import socket
-    import threading
-
-    import uvicorn
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server
+    return serve_app(app)
 
 
 def run_overhead(args: argparse.Namespace) -> None:
@@ -216,7 +208,7 @@ def run_overhead(args: argparse.Namespace) -> None:
         cluster = Cluster(redis_url, tokenizer, 512, model=tiny_model())  # a fast step: the overhead shows
         router = serve_router(RouterConfig(redis_url, cluster.name, policy=PolicyConfig(local_prefill_max_tokens=64)),
                               cluster.client, tokenizer, min_workers=3)
-        noop_url, noop = noop_sse_server()
+        noop = noop_sse_server()
         decode = cluster.decode["d0"]
         # As through the router (``stream_ttft``): 4 tokens, timed to the first chunk with text (a
         # random model's first token may be a partial UTF-8 character that shows no text yet).
@@ -234,7 +226,7 @@ def run_overhead(args: argparse.Namespace) -> None:
         # The HTTP client in its own process, as real clients are (no GIL shared with the router);
         # one direct call, then one call through the router, round after round.
         root = str(Path(__file__).resolve().parents[2])
-        child = subprocess.Popen([sys.executable, "-c", _CLIENT, root, router.url, noop_url],
+        child = subprocess.Popen([sys.executable, "-c", _CLIENT, root, router.url, noop.url],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert child.stdin is not None and child.stdout is not None
         direct_calls: list[float] = []
@@ -251,7 +243,7 @@ def run_overhead(args: argparse.Namespace) -> None:
             child.stdin.close()
             child.wait(timeout=30)
             router.stop()
-            noop.should_exit = True
+            noop.stop()
             cluster.close()
     r, d = statistics.median(measured["router"]) * 1000, statistics.median(direct_calls) * 1000
     n = statistics.median(measured["noop"]) * 1000

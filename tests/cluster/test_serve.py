@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,8 @@ import httpx
 import openai
 import pytest
 
+from tests.router.serve import free_port
 from workers.sampling_params import SamplingParams
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def process_group_alive(pgid: int) -> bool:

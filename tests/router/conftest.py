@@ -11,7 +11,7 @@ import pytest
 from router.app import RouterConfig
 from router.policy import PolicyConfig
 from router.worker_client import LocalWorkerClient
-from tests.router.serve import RouterServer, serve_router
+from tests.router.serve import AppServer, serve_router
 from workers.decode_service import DecodeService
 from workers.prefill_clients import LocalPrefillClient
 from workers.prefill_service import PrefillService
@@ -22,7 +22,7 @@ MODEL = "tandem-test"
 
 
 @pytest.fixture(scope="module")
-def local_cluster(make_engine, redis_url) -> Iterator[tuple[RouterServer, PrefillService, DecodeService]]:
+def local_cluster(make_engine, redis_url) -> Iterator[tuple[AppServer, PrefillService, DecodeService]]:
     cluster = f"test-{uuid.uuid4().hex[:8]}"
     publish = PublishConfig(redis_url, cluster)
     prefill = PrefillService(make_engine(max_model_len=2048), TcpTransport(), "p0", publish=publish)

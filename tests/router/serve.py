@@ -1,4 +1,4 @@
-"""Serve a router app with uvicorn on a free port in a thread (tests and benchmarks)."""
+"""Serve an app (a router) with uvicorn on a free port in a thread (tests and benchmarks)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
 
 from router.app import RouterConfig, create_app
 from router.worker_client import WorkerClient
@@ -16,9 +17,9 @@ from workers.tokenizer import Tokenizer
 
 
 @dataclass
-class RouterServer:
+class AppServer:
     url: str
-    app: object
+    app: FastAPI
     server: uvicorn.Server
     thread: threading.Thread
 
@@ -33,23 +34,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_router(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer | None,
-                 min_workers: int = 1) -> RouterServer:
-    app = create_app(config, client, tokenizer)
+def serve_app(app: FastAPI, timeout_s: float = 30.0) -> AppServer:
+    """Start uvicorn on a free port in a thread; returns once it accepts connections."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise TimeoutError("the server did not start")
+        time.sleep(0.05)
+    return AppServer(f"http://127.0.0.1:{port}", app, server, thread)
+
+
+def serve_router(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer | None,
+                 min_workers: int = 1) -> AppServer:
+    """A router, returned once ``/ready`` says at least ``min_workers`` workers are live."""
+    served = serve_app(create_app(config, client, tokenizer))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        try:
-            ready = httpx.get(f"{url}/ready", timeout=1.0)
-            body = ready.json()
-            if ready.status_code == 200 and body["decode_workers"] + body["prefill_workers"] >= min_workers:
-                return RouterServer(url, app, server, thread)
-        except httpx.TransportError:
-            pass
+        ready = httpx.get(f"{served.url}/ready", timeout=1.0)
+        body = ready.json()
+        if ready.status_code == 200 and body["decode_workers"] + body["prefill_workers"] >= min_workers:
+            return served
         time.sleep(0.1)
-    server.should_exit = True
+    served.stop()
     raise TimeoutError("the router did not become ready")
