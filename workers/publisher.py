@@ -89,13 +89,15 @@ class WorkerPublisher:
         while not self._stop.is_set():
             try:
                 if not self._in_sync:
-                    self._resync()
+                    self._resync()  # its snapshot reports the load too
                     next_snapshot = time.monotonic() + self.snapshot_interval_s
+                    next_load = time.monotonic() + self.interval_s
                 self._publish(self._drain(timeout_s=max(0.0, next_load - time.monotonic())))
                 now = time.monotonic()
                 if now >= next_snapshot:
-                    self._snapshot()
+                    self._snapshot()  # reports the load as well
                     next_snapshot = now + self.snapshot_interval_s
+                    next_load = now + self.interval_s
                 if now >= next_load:
                     next_load = now + self.interval_s
                     self._report_load(self._read_load())
