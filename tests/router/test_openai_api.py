@@ -139,3 +139,21 @@ def test_failed_transfer_is_retried_as_a_local_prefill(local_cluster, client, ma
     assert reply.choices[0].text == want
     assert "tandem_router_retries_total 1.0" in httpx.get(f"{router.url}/metrics").text
     wait_idle(prefill, decode)
+
+
+def test_no_decode_room_is_a_503_with_retry_after(local_cluster):
+    """A full decode KV pool (here: the router's own account says every block is promised) is a 503."""
+    router, prefill, decode = local_cluster
+    accounting = router.app.state.router.dispatcher._inflight.kv_blocks
+    accounting["d0"] = 10**6
+    try:
+        response = httpx.post(f"{router.url}/v1/completions", timeout=30,
+                              json={"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+    finally:
+        del accounting["d0"]
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+    assert "room" in response.json()["error"]["message"]
+    wait_idle(prefill, decode)
+    ok = httpx.post(f"{router.url}/v1/completions", timeout=60,
+                    json={"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+    assert ok.status_code == 200
