@@ -53,6 +53,8 @@ class PoolSection(_Strict):
     replicas: int = Field(default=1, ge=0)
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=4, ge=1)
+    # A worker removed from the pool finishes its in-flight requests for up to this long, then stops.
+    drain_timeout_s: float = Field(default=300.0, gt=0)
     resources: ResourcesSection = Field(default_factory=ResourcesSection)
     engine: EngineSection = Field(default_factory=EngineSection)
 

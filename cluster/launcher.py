@@ -1,5 +1,6 @@
 """What ``tandem serve`` starts and stops: Ray (local, or joined), Redis (embedded, or a URL), the
-prefill and decode pools as Ray actors, and the router app. Everything it started, it stops.
+prefill and decode pools as Ray actors, and the controller that resizes them while it runs.
+Everything it started, it stops.
 """
 
 from __future__ import annotations
@@ -7,12 +8,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
-from typing import Any
 
 from cluster.config import ClusterConfig, ConfigError, check_kv_budget
 from cluster.embedded_redis import EmbeddedRedis
-from workers.publisher import PublishConfig
+from cluster.pool_controller import PoolController
+from cluster.pool_manager import ROLES, PoolManager
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,8 @@ class Launcher:
         self.config = config
         self.redis: EmbeddedRedis | None = None
         self.redis_url = config.redis.url or ""
-        self.workers: dict[str, Any] = {}  # worker id -> actor handle (kept: an unreferenced actor exits)
+        self.pools: PoolManager | None = None
+        self.controller: PoolController | None = None
         self._started_ray = False
 
     def check_model(self) -> None:
@@ -42,6 +43,7 @@ class Launcher:
         check_kv_budget(self.config, model.kv_bytes_per_token(itemsize), model.max_position_embeddings)
 
     def start(self) -> None:
+        """Ray, Redis, the pools at their configured size (blocks until loaded), then the controller."""
         import ray
 
         cfg = self.config
@@ -56,52 +58,22 @@ class Launcher:
                      num_cpus=None if cfg.ray.address else cfg.ray.num_cpus, log_to_driver=False,
                      runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
             self._started_ray = True
-        for role in ("prefill", "decode"):
-            for i in range(cfg.pool(role).replicas):
-                self.add_worker(role, f"{role}-{i}")
-        self.wait_ready()
-
-    def add_worker(self, role: str, worker_id: str) -> Any:
-        from workers.actors import start_decode_worker, start_prefill_worker
-
-        cfg = self.config
-        publish = PublishConfig(self.redis_url, cfg.name, cfg.ray.namespace)
-        engine, resources = cfg.engine_config(role), cfg.worker_resources(role)
-        if role == "prefill":
-            handle = start_prefill_worker(worker_id, engine, resources, cfg.transport.backend, cfg.ray.namespace,
-                                          publish)
-        else:
-            handle = start_decode_worker(worker_id, engine, resources, cfg.transport.backend, cfg.ray.namespace,
-                                         cfg.transport.timeout_s, publish)
-        self.workers[worker_id] = handle
-        return handle
-
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
-        import ray
-
-        pending = {w.ready.remote(): wid for wid, w in self.workers.items()}
-        deadline = time.monotonic() + timeout_s
-        say(f"loading the model on {len(pending)} workers")
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                raise TimeoutError(f"workers not ready after {timeout_s:.0f}s: {sorted(pending.values())}")
-            for ref in done:
-                worker_id = pending.pop(ref)
-                ray.get(ref)  # raises the worker's start-up error
-                say(f"{worker_id} ready")
+        self.pools = PoolManager(cfg, self.redis_url, say)
+        for role in ROLES:
+            self.pools.scale(role, cfg.pool(role).replicas)
+        self.pools.wait_ready()
+        self.controller = PoolController(self.pools, self.redis_url, cfg)
+        self.controller.start()
 
     def stop(self) -> None:
         import ray
 
+        if self.controller is not None:
+            self.controller.stop()
+            self.controller = None
         if ray.is_initialized():
-            for handle in self.workers.values():
-                try:
-                    ray.get(handle.shutdown.remote(), timeout=10)  # leaves the registry, stops the engine
-                except Exception:  # noqa: BLE001 - it may be gone already; kill it anyway
-                    pass
-                ray.kill(handle)
-            self.workers.clear()
+            if self.pools is not None:
+                self.pools.stop()
             if self._started_ray:
                 ray.shutdown()
         if self.redis is not None:

@@ -28,6 +28,7 @@ from router.kv_event_consumer import KVEventConsumer
 from router.metrics import RouterMetrics, merge_expositions
 from router.openai_api import api
 from router.policy import PolicyConfig
+from router.pool_api import pools_api, read_controller, read_targets
 from router.prefix_index import PrefixIndex
 from router.worker_client import WorkerClient
 from router.worker_directory import WorkerDirectory
@@ -98,7 +99,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
         index = PrefixIndex()
         directory = WorkerDirectory(redis, keys, config.poll_interval_s)
         consumer = KVEventConsumer(redis, keys, index)
-        directory.on_removed.append(consumer.forget)
+        directory.on_removed.extend([consumer.forget, client.forget])
         dispatcher = Dispatcher(directory, index, client, config.policy, metrics, config.approx_ttl_s)
         state = RouterState(config, config.served_model_name or default_name, tok, redis, directory, index,
                             consumer, dispatcher, metrics, client)
@@ -118,6 +119,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(api)
+    app.include_router(pools_api)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -144,7 +146,15 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
                     "queued_prefill_tokens": e.load.waiting_prefill_tokens}
                    for w, e in sorted(state.directory.workers.items())]
         pools = {role: sum(1 for w in workers if w["role"] == role) for role in ("prefill", "decode")}
-        return {"cluster": state.config.cluster, "model": state.model_name, "pools": pools, "workers": workers}
+        keys = ClusterKeys(state.config.cluster)
+        try:
+            targets = {r: t.replicas for r, t in (await read_targets(state.redis, keys)).items()}
+            controller = await read_controller(state.redis, keys)
+        except aioredis.RedisError:
+            targets, controller = {}, None
+        return {"cluster": state.config.cluster, "model": state.model_name, "pools": pools, "targets": targets,
+                "starting": controller.starting if controller else [],
+                "draining": controller.draining if controller else [], "workers": workers}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, object]:

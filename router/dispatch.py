@@ -34,6 +34,9 @@ from workers.block_hash import ROOT_HASH, hash_block, hash_prompt_blocks
 from workers.kv_cache_manager import cdiv
 from workers.protocol import GenerateRequest, TokenChunk
 
+# A remote prefill failing this way (transfer error, prefill worker gone or stopped) is retried locally.
+_RETRY_LOCALLY = ("transfer", "unavailable")
+
 
 @dataclass(frozen=True)
 class Route:
@@ -116,7 +119,7 @@ class Dispatcher:
             async with contextlib.aclosing(self._attempt(attempt, prompt_token_ids, sampling, cache_salt,
                                                          block_size)) as chunks:
                 async for chunk in chunks:
-                    if not started and chunk.error_kind == "transfer" and attempt.prefill_worker is not None:
+                    if not started and chunk.error_kind in _RETRY_LOCALLY and attempt.prefill_worker is not None:
                         self.metrics.retries.inc()
                         break  # retry locally
                     started = True

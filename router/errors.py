@@ -23,7 +23,8 @@ _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_re
           503: "service_unavailable", 504: "timeout_error"}
 
 # What a worker's error kind means for the client.
-WORKER_ERROR_STATUS = {"invalid_request": 400, "capacity": 400, "transfer": 503, "internal": 500}
+WORKER_ERROR_STATUS = {"invalid_request": 400, "capacity": 400, "transfer": 503, "unavailable": 503,
+                       "internal": 500}
 
 
 class APIError(Exception):

@@ -24,6 +24,10 @@ class WorkerClient(Protocol):
 
     async def metrics(self, worker_id: str) -> bytes: ...
 
+    def forget(self, worker_ids: list[str]) -> None:
+        """These workers left the registry: drop what is kept about them."""
+        ...
+
 
 class RayWorkerClient:
     """Workers are named Ray actors (their worker id) in ``namespace``."""
@@ -44,8 +48,9 @@ class RayWorkerClient:
             self._handles[worker_id] = handle
         return handle
 
-    def forget(self, worker_id: str) -> None:
-        self._handles.pop(worker_id, None)
+    def forget(self, worker_ids: list[str]) -> None:
+        for worker_id in worker_ids:
+            self._handles.pop(worker_id, None)
 
     async def generate(self, decode_worker: str, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         import ray
@@ -57,7 +62,7 @@ class RayWorkerClient:
                 async for chunk in stream:
                     yield chunk
         except ray.exceptions.RayActorError as e:  # the actor died; its registry entry expires shortly
-            self.forget(decode_worker)
+            self.forget([decode_worker])
             raise WorkerUnreachable(f"decode worker {decode_worker!r} died: {e}") from e
 
     async def metrics(self, worker_id: str) -> bytes:
@@ -81,3 +86,6 @@ class LocalWorkerClient:
 
     async def metrics(self, worker_id: str) -> bytes:
         return self.services[worker_id].metrics.exposition()
+
+    def forget(self, worker_ids: list[str]) -> None:
+        pass  # the services belong to the caller

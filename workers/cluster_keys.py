@@ -4,6 +4,10 @@
     tandem:<cluster>:load:<worker>     string msgpack WorkerLoad; its TTL is the worker's heartbeat
     tandem:<cluster>:kv:<worker>       stream KV events, one entry per batch: epoch, seq, events
     tandem:<cluster>:kvsnap:<worker>   string msgpack KVSnapshot: every cached block at one seq
+    tandem:<cluster>:pools             hash   role -> msgpack PoolTarget (what the pools should be)
+    tandem:<cluster>:controller        string msgpack ControllerState; its TTL is the controller's heartbeat
+
+Routers write pool targets (``tandem scale``); the controller in ``tandem serve`` makes the pools follow.
 
 Several clusters can share one Redis under different names.
 """
@@ -30,6 +34,14 @@ class ClusterKeys:
     def kv_snapshot(self, worker_id: str) -> str:
         return f"tandem:{self.cluster}:kvsnap:{worker_id}"
 
+    @property
+    def pool_targets(self) -> str:
+        return f"tandem:{self.cluster}:pools"
+
+    @property
+    def controller(self) -> str:
+        return f"tandem:{self.cluster}:controller"
+
 
 @dataclass
 class WorkerInfo:
@@ -52,3 +64,22 @@ class KVSnapshot:
     seq: int
     stream_id: str
     blocks: list[list[int | None]]
+
+
+@dataclass
+class PoolTarget:
+    """How many workers a pool should have, within its bounds."""
+
+    replicas: int
+    min_replicas: int
+    max_replicas: int
+
+
+@dataclass
+class ControllerState:
+    """What the pool controller reports: the running config and the workers changing state."""
+
+    pid: int
+    config: dict[str, object]  # the running cluster config, as loaded (``tandem apply`` diffs against it)
+    starting: list[str] = field(default_factory=list)
+    draining: list[str] = field(default_factory=list)

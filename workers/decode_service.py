@@ -23,7 +23,7 @@ from typing import Protocol
 
 from workers.engine import Engine, KVReservation, RequestOutput
 from workers.engine_service import EngineService
-from workers.errors import error_kind
+from workers.errors import WorkerStopped, error_kind
 from workers.kv_transport import KVTransport
 from workers.protocol import GenerateRequest, PrefillRequest, PrefillResult, TokenChunk, sampling_from_dict
 from workers.publisher import PublishConfig
@@ -64,11 +64,15 @@ class DecodeService(EngineService):
         if rid in self._streams:
             yield self._error_chunk(rid, ValueError(f"request id {rid!r} is already streaming here"))
             return
+        if self._closed:
+            yield self._error_chunk(rid, WorkerStopped(f"worker {self.worker_id} has stopped"))
+            return
         remote = request.prefill_worker is not None and self.prefill_client is not None
         stream = _Stream(asyncio.get_running_loop())
         if remote:
             stream.reserved = stream.loop.create_future()
         self._streams[rid] = stream
+        self.num_requests_started += 1
         finished = False
         prefill_call: asyncio.Future[PrefillResult] | None = None
         try:
@@ -114,6 +118,9 @@ class DecodeService(EngineService):
                 self._cleanups.add(cleanup)  # a strong reference until it is done
                 cleanup.add_done_callback(self._cleanups.discard)
                 await asyncio.shield(cleanup)
+
+    def num_in_flight(self) -> int:
+        return len(self._streams) + len(self._cleanups)
 
     async def _prefill(self, request: GenerateRequest, reservation: KVReservation) -> PrefillResult:
         assert self.prefill_client is not None and request.prefill_worker is not None

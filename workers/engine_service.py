@@ -1,18 +1,35 @@
 """What the prefill and decode services share: one engine on its loop thread, the worker's KV
-transport (with the engine's cache registered), its metrics, and its load report."""
+transport (with the engine's cache registered), its metrics, its load report, and draining.
+
+Draining (a pool shrinking): leave the registry first so routers stop sending work, wait a grace
+period for requests routed before every router noticed, let the in-flight requests finish, then stop.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from workers.cluster_keys import ClusterKeys, WorkerInfo
 from workers.engine import Engine, KVReservation, RequestOutput
 from workers.engine_loop import EngineLoop
+from workers.errors import WorkerStopped
 from workers.kv_events import KVEvent
 from workers.kv_transport import KVTransport
 from workers.metrics import WorkerMetrics
 from workers.protocol import WorkerLoad
 from workers.publisher import PublishConfig, WorkerPublisher
+
+
+@dataclass
+class DrainReport:
+    worker_id: str
+    in_flight: int  # requests held when the worker left routing
+    arrived_after: int  # requests that arrived after it left (routed before a router noticed)
+    seconds: float
+    unfinished: int  # still running at the drain timeout (stopped with the worker)
 
 
 class EngineService:
@@ -26,6 +43,8 @@ class EngineService:
         self.transport = transport
         transport.register(engine.runner.kv_cache)
         self.metrics = WorkerMetrics(worker_id, self.role)
+        self.num_requests_started = 0  # subclasses count each request they take
+        self._closed = False
         self.publisher: WorkerPublisher | None = None
         self.loop = EngineLoop(engine, self._on_outputs, on_reservations, self._on_step, self._on_fatal,
                                name=f"{worker_id}-engine")
@@ -54,10 +73,37 @@ class EngineService:
         return self.loop.call(
             lambda e: (self._load_of(e), e.take_kv_events(), e.block_pool.cached_chains())).result(timeout=5.0)
 
+    def num_in_flight(self) -> int:
+        """Requests this worker still holds (streams, pending prefills, transfers)."""
+        raise NotImplementedError
+
+    async def drain(self, grace_s: float = 1.0, timeout_s: float = 300.0) -> DrainReport:
+        """Leave routing, finish what is in flight (up to ``timeout_s``), then stop the worker."""
+        t0 = time.monotonic()
+        await asyncio.to_thread(self._leave_routing)
+        in_flight, started = self.num_in_flight(), self.num_requests_started
+        await asyncio.sleep(grace_s)
+        while self.num_in_flight() and time.monotonic() - t0 < timeout_s:
+            await asyncio.sleep(0.05)
+        report = DrainReport(self.worker_id, in_flight, self.num_requests_started - started,
+                             time.monotonic() - t0, self.num_in_flight())
+        await asyncio.to_thread(self.close)
+        return report
+
+    def _leave_routing(self) -> None:
+        publisher, self.publisher = self.publisher, None
+        if publisher is not None:
+            publisher.close()
+
     def close(self) -> None:
-        if self.publisher is not None:
-            self.publisher.close()
+        """Stop serving (a second call, e.g. shutdown after a drain, does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._leave_routing()
         self.loop.stop()
+        if self.num_in_flight():  # they end with an error now rather than wait forever
+            self._on_fatal(WorkerStopped(f"worker {self.worker_id} stopped while serving the request"))
         self.transport.close()
 
     # ---- engine thread ----

@@ -19,6 +19,10 @@ class CapacityError(InvalidRequestError):
     """The request is valid but can never fit this engine's KV pool."""
 
 
+class WorkerStopped(TandemError):
+    """The worker stopped (drain timeout, shutdown) while it held the request."""
+
+
 def error_kind(error: BaseException) -> str:
     """The kind a worker reports for a failed request (routers map it to an HTTP status)."""
     from workers.kv_transport import TransferError  # transport imports this module
@@ -29,4 +33,6 @@ def error_kind(error: BaseException) -> str:
         return "invalid_request"
     if isinstance(error, TransferError):
         return "transfer"
+    if isinstance(error, WorkerStopped):
+        return "unavailable"
     return "internal"

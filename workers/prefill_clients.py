@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from workers.kv_transport import TransferError
 from workers.prefill_service import PrefillService
 from workers.protocol import PrefillRequest, PrefillResult, pack, unpack
 
@@ -22,7 +23,11 @@ class LocalPrefillClient:
 
 
 class RayPrefillClient:
-    """Prefill workers as named Ray actors; handles are looked up once and kept."""
+    """Prefill workers as named Ray actors; handles are looked up once and kept.
+
+    A prefill worker that is gone (drained, died) is a ``TransferError``: the router then retries the
+    request as a local prefill on the decode worker instead of failing it.
+    """
 
     def __init__(self, namespace: str | None = None):
         self.namespace = namespace
@@ -33,11 +38,20 @@ class RayPrefillClient:
         if handle is None:
             import ray
 
-            handle = self._handles[worker_id] = ray.get_actor(worker_id, namespace=self.namespace)
+            try:
+                handle = self._handles[worker_id] = ray.get_actor(worker_id, namespace=self.namespace)
+            except ValueError as e:
+                raise TransferError(f"prefill worker {worker_id!r} is gone") from e
         return handle
 
     async def prefill(self, worker_id: str, request: PrefillRequest) -> PrefillResult:
-        data = await self._handle(worker_id).prefill.remote(pack(request))
+        import ray
+
+        try:
+            data = await self._handle(worker_id).prefill.remote(pack(request))
+        except ray.exceptions.RayActorError as e:
+            self._handles.pop(worker_id, None)
+            raise TransferError(f"prefill worker {worker_id!r} is gone: {e}") from e
         return unpack(PrefillResult, data)
 
     async def cancel(self, worker_id: str, request_id: str) -> None:

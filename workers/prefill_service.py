@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from workers.engine import Engine, RequestOutput
 from workers.engine_service import EngineService
-from workers.errors import TandemError, error_kind
+from workers.errors import TandemError, WorkerStopped, error_kind
 from workers.kv_transport import KVTransport, TransferError
 from workers.protocol import PrefillRequest, PrefillResult, sampling_from_dict
 from workers.publisher import PublishConfig
@@ -50,9 +50,12 @@ class PrefillService(EngineService):
         rid = request.request_id
         pending = _Pending(request)
         with self._lock:
+            if self._closed:
+                raise WorkerStopped(f"prefill worker {self.worker_id} has stopped")
             if rid in self._pending:
                 raise TransferError(f"request {rid} is already being prefilled here")
             self._pending[rid] = pending
+            self.num_requests_started += 1
         try:
             await self.loop.run(lambda e: e.add_request(
                 request.prompt_token_ids, sampling_from_dict(request.sampling), request_id=rid,
@@ -77,6 +80,10 @@ class PrefillService(EngineService):
             await self.loop.run(lambda e: e.abort(request_id))
             self._finish(request_id, exception=PrefillCancelled(f"prefill of {request_id} cancelled"))
         return True
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
 
     def close(self) -> None:
         self._transfers.shutdown(wait=True, cancel_futures=True)

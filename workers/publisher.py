@@ -73,12 +73,14 @@ class WorkerPublisher:
             self._events.put(events)
 
     def close(self) -> None:
-        """Stop publishing and leave the registry at once (routers stop routing here)."""
+        """Stop publishing and leave the registry at once (routers stop routing here); the worker's
+        keys go with it so nothing is left behind in Redis."""
         self._stop.set()
         self._thread.join(timeout=5.0)
+        worker = self.info.worker_id
         try:
-            self._redis.hdel(self.keys.registry, self.info.worker_id)
-            self._redis.delete(self.keys.load(self.info.worker_id))
+            self._redis.hdel(self.keys.registry, worker)
+            self._redis.delete(self.keys.load(worker), self.keys.kv_stream(worker), self.keys.kv_snapshot(worker))
         except redis.RedisError:
             pass  # the load key expires by itself
         self._redis.close()

@@ -1,0 +1,176 @@
+"""The prefill and decode pools as Ray actors: start workers, drain them, stop them.
+
+    pools = PoolManager(config, redis_url)
+    pools.scale("decode", 2)      # starts decode-1 (returns at once; it registers once loaded)
+    pools.poll()                  # call now and then: ready workers, finished drains
+    pools.scale("decode", 1)      # drains decode-1: it leaves routing, finishes in-flight, exits
+
+Nothing here blocks on a worker except ``wait_ready`` (the first start) and ``stop``. Worker ids
+count up per role and are never reused within one run, so a draining actor's name never clashes
+with a new one. The newest workers drain first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.config import ClusterConfig
+from workers.publisher import PublishConfig
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    role: str
+    index: int
+    handle: Any  # kept: an unreferenced actor exits
+    ready_ref: Any | None  # until the worker has loaded its model
+    drain_ref: Any | None = None
+    drain_deadline: float = 0.0
+    pid: int | None = None
+
+
+class PoolManager:
+    def __init__(self, config: ClusterConfig, redis_url: str, say: Callable[[str], None] = log.info,
+                 drain_grace_s: float = 1.0, start_retry_s: float = 30.0):
+        self.config = config
+        self.redis_url = redis_url
+        self.say = say
+        self.drain_grace_s = drain_grace_s  # routers poll the registry every 50 ms
+        self.start_retry_s = start_retry_s
+        self._workers: dict[str, _Worker] = {}
+        self._next_index = dict.fromkeys(ROLES, 0)
+        self._start_failed_at = dict.fromkeys(ROLES, -float("inf"))
+
+    # ---- views ----
+    def active(self, role: str) -> list[str]:
+        """Workers that count toward the pool: starting or serving, not draining."""
+        return [w.worker_id for w in self._workers.values() if w.role == role and w.drain_ref is None]
+
+    def starting(self) -> list[str]:
+        return [w.worker_id for w in self._workers.values() if w.ready_ref is not None and w.drain_ref is None]
+
+    def draining(self) -> list[str]:
+        return [w.worker_id for w in self._workers.values() if w.drain_ref is not None]
+
+    # ---- changes ----
+    def scale(self, role: str, replicas: int) -> None:
+        """Start or drain workers so that ``role`` has ``replicas`` active ones."""
+        active = sorted((w for w in self._workers.values() if w.role == role and w.drain_ref is None),
+                        key=lambda w: w.index)
+        if len(active) < replicas and time.monotonic() - self._start_failed_at[role] >= self.start_retry_s:
+            for _ in range(replicas - len(active)):
+                self._start(role)
+        for worker in reversed(active[replicas:]):
+            self._drain(worker)
+
+    def _start(self, role: str) -> None:
+        from workers.actors import start_decode_worker, start_prefill_worker
+
+        cfg = self.config
+        index = self._next_index[role]
+        self._next_index[role] += 1
+        worker_id = f"{role}-{index}"
+        publish = PublishConfig(self.redis_url, cfg.name, cfg.ray.namespace)
+        engine, resources = cfg.engine_config(role), cfg.worker_resources(role)
+        if role == "prefill":
+            handle = start_prefill_worker(worker_id, engine, resources, cfg.transport.backend, cfg.ray.namespace,
+                                          publish)
+        else:
+            handle = start_decode_worker(worker_id, engine, resources, cfg.transport.backend, cfg.ray.namespace,
+                                         cfg.transport.timeout_s, publish)
+        self._workers[worker_id] = _Worker(worker_id, role, index, handle, handle.ready.remote())
+        self.say(f"{worker_id} starting")
+
+    def _drain(self, worker: _Worker) -> None:
+        timeout_s = self.config.pool(worker.role).drain_timeout_s
+        worker.drain_ref = worker.handle.drain.remote(self.drain_grace_s, timeout_s)
+        worker.drain_deadline = time.monotonic() + timeout_s + 30.0  # then it is killed regardless
+        self.say(f"{worker.worker_id} draining")
+
+    def poll(self) -> None:
+        """Note workers that became ready or failed to start, and end those done draining."""
+        import ray
+
+        for worker in list(self._workers.values()):
+            if worker.ready_ref is not None and ray.wait([worker.ready_ref], timeout=0)[0]:
+                self._on_ready(worker)
+            if worker.drain_ref is None:
+                continue
+            if ray.wait([worker.drain_ref], timeout=0)[0]:
+                try:
+                    self._end(worker, ray.get(worker.drain_ref))
+                except Exception as e:  # noqa: BLE001 - it died while draining
+                    self.say(f"{worker.worker_id} failed while draining: {e}")
+                    self._end(worker, None)
+            elif time.monotonic() > worker.drain_deadline:
+                self.say(f"{worker.worker_id} did not finish draining in time; stopping it")
+                self._end(worker, None)
+
+    def _on_ready(self, worker: _Worker) -> None:
+        import ray
+
+        try:
+            info: dict[str, Any] = ray.get(worker.ready_ref)  # type: ignore[arg-type, assignment]
+        except Exception as e:  # noqa: BLE001 - a worker that cannot start is reported and dropped
+            self.say(f"{worker.worker_id} failed to start: {e}; retrying in {self.start_retry_s:.0f}s")
+            self._start_failed_at[worker.role] = time.monotonic()
+            self._workers.pop(worker.worker_id)
+            ray.kill(worker.handle)
+            return
+        worker.ready_ref = None
+        worker.pid = info["pid"]
+        self.say(f"{worker.worker_id} ready (pid {worker.pid})")
+
+    def _end(self, worker: _Worker, report: dict[str, Any] | None) -> None:
+        import ray
+
+        if report is None:
+            pass  # said by the caller
+        elif report["unfinished"]:
+            self.say(f"{worker.worker_id} drain timed out with {report['unfinished']} requests unfinished")
+        else:
+            self.say(f"{worker.worker_id} drained in {report['seconds']:.1f}s: {report['in_flight']} in-flight "
+                     f"and {report['arrived_after']} late requests finished")
+        ray.kill(worker.handle)
+        self._workers.pop(worker.worker_id)
+        self.say(f"{worker.worker_id} exited")
+
+    # ---- first start and last stop ----
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Block until every starting worker has loaded (the first start); raise its error if one fails."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        pending = {w.ready_ref: w for w in self._workers.values() if w.ready_ref is not None}
+        self.say(f"loading the model on {len(pending)} workers")
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                names = sorted(w.worker_id for w in pending.values())
+                raise TimeoutError(f"workers not ready after {timeout_s:.0f}s: {names}")
+            for ref in done:
+                worker = pending.pop(ref)
+                worker.pid = ray.get(ref)["pid"]  # raises the worker's start-up error
+                worker.ready_ref = None
+                self.say(f"{worker.worker_id} ready (pid {worker.pid})")
+
+    def stop(self) -> None:
+        """Stop every worker now (the cluster is going away: no draining)."""
+        import ray
+
+        for worker in self._workers.values():
+            try:
+                ray.get(worker.handle.shutdown.remote(), timeout=10)  # leaves the registry, stops the engine
+            except Exception:  # noqa: BLE001 - it may be gone already; kill it anyway
+                pass
+            ray.kill(worker.handle)
+        self._workers.clear()

@@ -1,0 +1,184 @@
+"""Live pool changes on a real ``tandem serve`` (real Ray, Redis, HTTP): decode 1 -> 2 -> 1 while a
+steady stream of requests runs. None fails, the new worker serves requests, and the removed one
+finishes its in-flight requests before it exits. ``tandem apply`` takes a file's pool sizes and
+refuses what a running cluster cannot change."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster.test_serve import process_group_alive
+from tests.router.serve import free_port
+
+CONFIG = """
+ray: {num_cpus: 4}            # logical CPUs: three 1-CPU workers share this 2-core machine
+prefill:
+  replicas: 1
+  resources: {torch_threads: 1}
+decode:
+  replicas: 1
+  max_replicas: 3
+  resources: {torch_threads: 1}
+"""
+
+
+@dataclass
+class Serve:
+    url: str
+    config: str  # the YAML it runs
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def cli(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cluster.cli", *args, "--url", self.url], capture_output=True,
+                              text=True, timeout=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory) -> Iterator[Serve]:
+    tmp = tmp_path_factory.mktemp("scale")
+    port = free_port()
+    config = CONFIG + f"router: {{port: {port}}}\n"
+    (tmp / "cluster.yaml").write_text(config)
+    log = tmp / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "-c", str(tmp / "cluster.yaml")],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    served = Serve(f"http://127.0.0.1:{port}", config, log, proc)
+    try:
+        deadline = time.monotonic() + 300
+        while "ready: http" not in served.text():
+            assert proc.poll() is None and time.monotonic() < deadline, served.text()
+            time.sleep(0.5)
+        yield served
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=90)
+        deadline = time.monotonic() + 30
+        while process_group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert rc == 0 and not process_group_alive(proc.pid), served.text()
+
+
+@dataclass
+class SteadyLoad:
+    """``clients`` users each sending one streaming chat request after another."""
+
+    url: str
+    clients: int = 3
+    stop: threading.Event = field(default_factory=threading.Event)
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def run(self) -> list[threading.Thread]:
+        threads = [threading.Thread(target=self._user, args=(i,), daemon=True) for i in range(self.clients)]
+        for t in threads:
+            t.start()
+        return threads
+
+    def _user(self, i: int) -> None:
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            try:
+                stream = client.chat.completions.create(
+                    model="SmolLM2-135M-Instruct", stream=True, max_tokens=24, temperature=0,
+                    messages=[{"role": "user", "content": f"User {i}, question {n}: name a colour."}])
+                reasons = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+                assert reasons in (["stop"], ["length"]), reasons
+                self.ok += 1
+            except Exception as e:  # noqa: BLE001 - every failure is a finding
+                self.failures.append(f"user {i} request {n}: {type(e).__name__}: {e}")
+
+
+def finished_on(url: str, worker: str) -> float:
+    """Requests the worker has finished, from the cluster's merged /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    pattern = rf'^tandem_requests_finished_total{{[^}}]*worker_id="{worker}"[^}}]*}} (\S+)$'
+    return sum(float(m) for m in re.findall(pattern, text, re.M))
+
+
+def status(url: str) -> dict:  # type: ignore[type-arg]
+    return httpx.get(f"{url}/cluster/status", timeout=10).json()
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_decode_1_to_2_to_1_under_steady_load_fails_no_request(serve):
+    load = SteadyLoad(serve.url)
+    threads = load.run()
+    try:
+        wait_until(lambda: load.ok >= 3, 120, "the first requests")
+        up = serve.cli("scale", "decode=2", "--wait")
+        assert up.returncode == 0, up.stderr + serve.text()
+        assert "targets: prefill 1, decode 2" in up.stdout and up.stdout.strip().endswith("draining: -)")
+        assert sorted(w["id"] for w in status(serve.url)["workers"]) == ["decode-0", "decode-1", "prefill-0"]
+        wait_until(lambda: finished_on(serve.url, "decode-1") >= 3, 120, "decode-1 to serve requests")
+        # Scale down while decode-1 holds requests (its load report says so).
+        wait_until(lambda: any(w["id"] == "decode-1" and w["num_running"] > 0 for w in status(serve.url)["workers"]),
+                   60, "decode-1 to hold a request")
+        served_before = load.ok
+        down = serve.cli("scale", "decode=1", "--wait")
+        assert down.returncode == 0, down.stderr + serve.text()
+        assert "draining: decode-1" in down.stdout
+        wait_until(lambda: load.ok >= served_before + 3, 120, "requests after the scale-down")
+    finally:
+        load.stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert load.failures == [], load.failures
+    log = serve.text()
+    drained = re.search(r"decode-1 drained in [\d.]+s: (\d+) in-flight and (\d+) late requests finished", log)
+    assert drained and int(drained[1]) >= 1, log
+    assert log.index("decode-1 draining") < drained.start() < log.index("decode-1 exited")
+    pid = int(re.search(r"decode-1 ready \(pid (\d+)\)", log)[1])  # type: ignore[index]
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 30, "decode-1's process to exit")
+    assert sorted(w["id"] for w in status(serve.url)["workers"]) == ["decode-0", "prefill-0"]
+
+
+def test_apply_takes_pool_sizes_and_refuses_what_needs_a_restart(serve, tmp_path):
+    port = serve.url.rsplit(":", 1)[1]
+    wider = tmp_path / "wider.yaml"
+    wider.write_text(serve.config.replace("max_replicas: 3", "max_replicas: 5"))
+    done = serve.cli("apply", "-c", str(wider))
+    assert done.returncode == 0 and "targets: prefill 1, decode 1" in done.stdout, done.stderr
+    assert httpx.get(f"{serve.url}/cluster/pools").json()["targets"]["decode"] == {
+        "replicas": 1, "min_replicas": 1, "max_replicas": 5}
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(serve.config.replace(f"port: {port}", "port: 1") + "model: {max_model_len: 1024}\n")
+    done = serve.cli("apply", "-c", str(moved))
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("tandem apply: cannot change on a running cluster (restart tandem serve with this "
+                                   f"file): model.max_model_len (2048 -> 1024), router.port ({port} -> 1)")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decode: {replicas: 5}\n")
+    done = serve.cli("apply", "-c", str(bad))
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "tandem apply: config error: decode: replicas (5) must be between min_replicas (1) and max_replicas (4)")
+    done = serve.cli("scale", "decode=9")
+    assert done.returncode == 2 and "decode.replicas: 9 is outside the pool's bounds [1, 5]" in done.stderr
+    done = serve.cli("scale", "decoder=2")
+    assert done.returncode == 2 and "expected prefill=N or decode=N" in done.stderr

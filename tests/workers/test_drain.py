@@ -1,0 +1,90 @@
+"""Draining a worker (what a shrinking pool does): it leaves the Redis registry at once, still
+serves requests already in flight and those routed during the grace period, then stops, leaving
+none of its keys behind. Real services, real Redis, KV over tcp; no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import redis
+
+from tests.prompts import text_of_tokens
+from tests.workers.test_services import collect, request
+from workers.cluster_keys import ClusterKeys
+from workers.decode_service import DecodeService
+from workers.prefill_clients import LocalPrefillClient
+from workers.prefill_service import PrefillService
+from workers.publisher import PublishConfig
+from workers.sampling_params import SamplingParams
+from workers.tcp_transport import TcpTransport
+
+LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def worker_keys(r: redis.Redis, keys: ClusterKeys, worker: str) -> list[str]:
+    names = [keys.load(worker), keys.kv_stream(worker), keys.kv_snapshot(worker)]
+    return [n for n in names if r.exists(n)] + (["registry"] if r.hexists(keys.registry, worker) else [])
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_drain_leaves_routing_first_finishes_in_flight_and_late_requests_then_stops(make_engine, redis_url):
+    keys = ClusterKeys(f"drain-{uuid.uuid4().hex[:8]}")
+    publish = PublishConfig(redis_url, keys.cluster)
+    r = redis.Redis.from_url(redis_url)
+    prefill = PrefillService(make_engine(), TcpTransport(), "p0", publish=publish)
+    decode = DecodeService(make_engine(), TcpTransport(), "d0", LocalPrefillClient({"p0": prefill}),
+                           transfer_timeout_s=5.0, publish=publish)
+    single = make_engine()
+    prompts = [text_of_tokens(single.tokenizer, n, seed=n) for n in (60, 90)]
+    want = [out.token_ids for out in single.generate(prompts, LONG)]
+
+    async def run():  # type: ignore[no-untyped-def]
+        await wait_for(lambda: len(worker_keys(r, keys, "d0")) == 4)  # registered, load, stream, snapshot
+        first = asyncio.create_task(collect(decode, request(single, "r0", prompts[0], LONG)))
+        await wait_for(lambda: decode.num_in_flight() == 1 and decode.loop.engine.stats().num_running == 1)
+        drain = asyncio.create_task(decode.drain(grace_s=0.5))
+        await wait_for(lambda: not r.hexists(keys.registry, "d0"))
+        assert not first.done(), "the worker must leave routing before its in-flight request ends"
+        # Routed by a router that had not yet seen d0 leave: still served, within the grace period.
+        late = await collect(decode, request(single, "r1", prompts[1], LONG))
+        return await first, late, await drain
+
+    first, late, report = asyncio.run(run())
+    for chunks, tokens in zip((first, late), want, strict=True):
+        assert chunks[-1].finished and chunks[-1].error is None
+        assert [t for c in chunks for t in c.token_ids] == tokens
+    assert report.worker_id == "d0" and report.in_flight == 1 and report.arrived_after == 1
+    assert report.unfinished == 0 and report.seconds >= 0.5
+    assert worker_keys(r, keys, "d0") == []
+    assert decode.loop.call(lambda e: 0).exception() is not None  # its engine loop has stopped
+    idle = asyncio.run(prefill.drain(grace_s=0.0))
+    assert idle.in_flight == 0 and idle.arrived_after == 0 and worker_keys(r, keys, "p0") == []
+    decode.close()  # a second close (shutdown after a drain) is harmless
+    prefill.close()
+
+
+def test_drain_timeout_stops_the_worker_and_its_unfinished_request_ends_with_an_error(make_engine, redis_url):
+    decode = DecodeService(make_engine(), TcpTransport(), "d1", None,
+                           publish=PublishConfig(redis_url, f"drain-{uuid.uuid4().hex[:8]}"))
+    single = make_engine()
+    endless = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+
+    async def run():  # type: ignore[no-untyped-def]
+        stream = asyncio.create_task(collect(decode, request(single, "r0", "Tell me a story.", endless, None)))
+        await wait_for(lambda: decode.num_in_flight() == 1)
+        report = await decode.drain(grace_s=0.0, timeout_s=0.5)
+        return report, await asyncio.wait_for(stream, 10)
+
+    report, chunks = asyncio.run(run())
+    assert report.in_flight == 1 and report.unfinished == 1 and 0.5 <= report.seconds < 5
+    # Stopped with the worker: the stream ends with an error a router turns into 503, it does not hang.
+    assert chunks[-1].finished and chunks[-1].error_kind == "unavailable" and "stopped" in chunks[-1].error
+    late = asyncio.run(collect(decode, request(single, "r1", "Hello", endless, None)))
+    assert len(late) == 1 and late[0].error_kind == "unavailable"
