@@ -58,12 +58,23 @@ class Launcher:
                      num_cpus=None if cfg.ray.address else cfg.ray.num_cpus, log_to_driver=False,
                      runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
             self._started_ray = True
+        self._warn_missing_resources(ray.cluster_resources())
         self.pools = PoolManager(cfg, self.redis_url, say)
         for role in ROLES:
             self.pools.scale(role, cfg.pool(role).replicas)
         self.pools.wait_ready()
         self.controller = PoolController(self.pools, self.redis_url, cfg)
         self.controller.start()
+
+    def _warn_missing_resources(self, available: dict[str, float]) -> None:
+        """A worker asking for more than any node offers waits (an autoscaler may add the node): say so."""
+        for role in ROLES:
+            r = self.config.pool(role).resources
+            wanted = {"CPU": r.num_cpus, "GPU": r.num_gpus, **r.resources}
+            short = [f"{k}={v:g} (the cluster has {available.get(k, 0):g})" for k, v in wanted.items()
+                     if v > available.get(k, 0)]
+            if short:
+                say(f"warning: {role} workers wait for resources no Ray node offers now: {', '.join(short)}")
 
     def stop(self) -> None:
         import ray

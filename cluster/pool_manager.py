@@ -127,8 +127,11 @@ class PoolManager:
             ray.kill(worker.handle)
             return
         worker.ready_ref = None
+        self._ready(worker, info)
+
+    def _ready(self, worker: _Worker, info: dict[str, Any]) -> None:
         worker.pid = info["pid"]
-        self.say(f"{worker.worker_id} ready (pid {worker.pid})")
+        self.say(f"{worker.worker_id} ready (pid {worker.pid}, Ray node {info['node_id'][:12]})")
 
     def _end(self, worker: _Worker, report: dict[str, Any] | None) -> None:
         import ray
@@ -153,15 +156,17 @@ class PoolManager:
         pending = {w.ready_ref: w for w in self._workers.values() if w.ready_ref is not None}
         self.say(f"loading the model on {len(pending)} workers")
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                names = sorted(w.worker_id for w in pending.values())
+            wait_s = min(30.0, max(0.0, deadline - time.monotonic()))
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
+            names = sorted(w.worker_id for w in pending.values())
+            if not done and time.monotonic() >= deadline:
                 raise TimeoutError(f"workers not ready after {timeout_s:.0f}s: {names}")
+            if not done:
+                self.say(f"still waiting for {', '.join(names)} (placed on a node? loading the model?)")
             for ref in done:
                 worker = pending.pop(ref)
-                worker.pid = ray.get(ref)["pid"]  # raises the worker's start-up error
                 worker.ready_ref = None
-                self.say(f"{worker.worker_id} ready (pid {worker.pid})")
+                self._ready(worker, ray.get(ref))  # raises the worker's start-up error
 
     def stop(self) -> None:
         """Stop every worker now (the cluster is going away: no draining)."""

@@ -44,7 +44,7 @@ class _WorkerBase:
 
     def ready(self) -> dict[str, Any]:
         return {"worker_id": self.service.worker_id, "role": self.service.role, "pid": os.getpid(),
-                "kv_address": self.service.transport.address()}
+                "node_id": ray.get_runtime_context().get_node_id(), "kv_address": self.service.transport.address()}
 
     async def load(self) -> bytes:
         return pack(await self.service.load())

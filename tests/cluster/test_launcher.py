@@ -1,0 +1,16 @@
+"""What the launcher tells an operator before anything starts."""
+
+from __future__ import annotations
+
+from cluster.config import parse_config
+from cluster.launcher import Launcher
+
+
+def test_a_pool_asking_for_resources_no_node_offers_is_named(capsys):
+    config = parse_config({"decode": {"resources": {"num_gpus": 1, "resources": {"node_b": 2}}}})
+    Launcher(config)._warn_missing_resources({"CPU": 4.0, "node_b": 1.0})
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["[tandem] warning: decode workers wait for resources no Ray node offers now: "
+                     "GPU=1 (the cluster has 0), node_b=2 (the cluster has 1)"]
+    Launcher(parse_config({}))._warn_missing_resources({"CPU": 2.0})
+    assert capsys.readouterr().err == ""
