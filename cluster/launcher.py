@@ -54,7 +54,8 @@ class Launcher:
             say(f"embedded Redis at {self.redis_url}")
         if not ray.is_initialized():
             say("joining Ray at " + cfg.ray.address if cfg.ray.address else "starting a local Ray cluster")
-            ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, include_dashboard=False,
+            # "local": a new cluster of our own, never one a `ray start` left on this machine.
+            ray.init(address=cfg.ray.address or "local", namespace=cfg.ray.namespace, include_dashboard=False,
                      num_cpus=None if cfg.ray.address else cfg.ray.num_cpus, log_to_driver=False,
                      runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
             self._started_ray = True

@@ -77,7 +77,7 @@ def main() -> None:
     engine_ttft(engine, prompts(engine, 1, 999)[0])  # warm-up
     rows = [("one engine (this process)", statistics.median(
         engine_ttft(engine, p) for p in prompts(engine, args.repeats, 0)))]
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     resources = WorkerResources(num_cpus=1, torch_threads=THREADS)
     for i, transport in enumerate(["tcp"] + (["nixl"] if nixl_available() else [])):
         prefill = start_prefill_worker(f"bench-p-{transport}", CONFIG, resources, transport)

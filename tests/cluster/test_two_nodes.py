@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,6 +88,10 @@ def two_nodes(tmp_path_factory) -> Iterator[str]:
     finally:
         for proc in reversed(nodes):
             stop(proc)
+        # `ray start` points later `ray.init()` calls on this machine at its cluster; it is gone now.
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if current.exists() and current.read_text().strip().endswith(address.split(":")[1]):
+            current.unlink()
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ RESOURCES = WorkerResources(num_cpus=1, torch_threads=2)  # 2 cores here; one re
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=8, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
+    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
     yield
     ray.shutdown()
