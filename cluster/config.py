@@ -96,7 +96,8 @@ class RedisSection(_Strict):
 class RaySection(_Strict):
     address: str | None = None  # None: start a local Ray cluster
     namespace: str = "tandem"
-    num_cpus: int | None = Field(default=None, ge=1)  # of a local cluster; None: this machine's cores
+    # Logical CPUs of a local cluster; None: the machine's cores, or what the pools need at max_replicas.
+    num_cpus: int | None = Field(default=None, ge=1)
 
 
 class SLOSection(_Strict):

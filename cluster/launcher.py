@@ -6,6 +6,7 @@ Everything it started, it stops.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 
@@ -56,7 +57,7 @@ class Launcher:
             say("joining Ray at " + cfg.ray.address if cfg.ray.address else "starting a local Ray cluster")
             # "local": a new cluster of our own, never one a `ray start` left on this machine.
             ray.init(address=cfg.ray.address or "local", namespace=cfg.ray.namespace, include_dashboard=False,
-                     num_cpus=None if cfg.ray.address else cfg.ray.num_cpus, log_to_driver=False,
+                     num_cpus=None if cfg.ray.address else self.local_num_cpus(), log_to_driver=False,
                      runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
             self._started_ray = True
         self._warn_missing_resources(ray.cluster_resources())
@@ -66,6 +67,16 @@ class Launcher:
         self.pools.wait_ready()
         self.controller = PoolController(self.pools, self.redis_url, cfg)
         self.controller.start()
+
+    def local_num_cpus(self) -> int:
+        """Logical CPUs of a local cluster: this machine's cores, or enough for every pool at its
+        ``max_replicas`` (so ``tandem scale`` within the bounds never waits for a CPU; the workers then
+        share the cores)."""
+        cfg = self.config
+        if cfg.ray.num_cpus is not None:
+            return cfg.ray.num_cpus
+        wanted = sum(cfg.pool(r).max_replicas * cfg.pool(r).resources.num_cpus for r in ROLES)
+        return max(os.cpu_count() or 1, math.ceil(wanted))
 
     def _warn_missing_resources(self, available: dict[str, float]) -> None:
         """A worker asking for more than any node offers waits (an autoscaler may add the node): say so."""

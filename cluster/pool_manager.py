@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import ClusterConfig
@@ -36,16 +36,19 @@ class _Worker:
     drain_ref: Any | None = None
     drain_deadline: float = 0.0
     pid: int | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    slow: bool = False  # said that it is slow to start
 
 
 class PoolManager:
     def __init__(self, config: ClusterConfig, redis_url: str, say: Callable[[str], None] = log.info,
-                 drain_grace_s: float = 1.0, start_retry_s: float = 30.0):
+                 drain_grace_s: float = 1.0, start_retry_s: float = 30.0, slow_start_s: float = 60.0):
         self.config = config
         self.redis_url = redis_url
         self.say = say
         self.drain_grace_s = drain_grace_s  # routers poll the registry every 50 ms
         self.start_retry_s = start_retry_s
+        self.slow_start_s = slow_start_s
         self._workers: dict[str, _Worker] = {}
         self._next_index = dict.fromkeys(ROLES, 0)
         self._start_failed_at = dict.fromkeys(ROLES, -float("inf"))
@@ -91,6 +94,14 @@ class PoolManager:
         self.say(f"{worker_id} starting")
 
     def _drain(self, worker: _Worker) -> None:
+        import ray
+
+        if worker.ready_ref is not None and not ray.wait([worker.ready_ref], timeout=0)[0]:
+            # Not loaded yet (or not even placed): it has served nothing, so it just goes.
+            ray.kill(worker.handle)
+            self._workers.pop(worker.worker_id)
+            self.say(f"{worker.worker_id} cancelled before it was ready")
+            return
         timeout_s = self.config.pool(worker.role).drain_timeout_s
         worker.drain_ref = worker.handle.drain.remote(self.drain_grace_s, timeout_s)
         worker.drain_deadline = time.monotonic() + timeout_s + 30.0  # then it is killed regardless
@@ -100,9 +111,16 @@ class PoolManager:
         """Note workers that became ready or failed to start, and end those done draining."""
         import ray
 
+        now = time.monotonic()
         for worker in list(self._workers.values()):
             if worker.ready_ref is not None and ray.wait([worker.ready_ref], timeout=0)[0]:
                 self._on_ready(worker)
+            elif worker.ready_ref is not None and now - worker.started_at > self.slow_start_s and not worker.slow:
+                worker.slow = True
+                need = self.config.worker_resources(worker.role)
+                self.say(f"{worker.worker_id} is not ready after {self.slow_start_s:.0f}s: still loading, or no "
+                         f"Ray node has room for it (CPU={need.num_cpus:g} GPU={need.num_gpus:g} "
+                         f"{need.resources or ''}; free now: {_schedulable(ray.available_resources())})")
             if worker.drain_ref is None:
                 continue
             if ray.wait([worker.drain_ref], timeout=0)[0]:
@@ -179,3 +197,9 @@ class PoolManager:
                 pass
             ray.kill(worker.handle)
         self._workers.clear()
+
+
+def _schedulable(resources: dict[str, float]) -> dict[str, float]:
+    """CPU, GPU and custom resources (without memory figures and per-node markers)."""
+    return {k: v for k, v in sorted(resources.items())
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory")}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from cluster.config import parse_config
 from cluster.launcher import Launcher
 
@@ -14,3 +16,10 @@ def test_a_pool_asking_for_resources_no_node_offers_is_named(capsys):
                      "GPU=1 (the cluster has 0), node_b=2 (the cluster has 1)"]
     Launcher(parse_config({}))._warn_missing_resources({"CPU": 2.0})
     assert capsys.readouterr().err == ""
+
+
+def test_a_local_cluster_has_cpus_for_every_pool_at_its_bounds():
+    assert Launcher(parse_config({})).local_num_cpus() == max(os.cpu_count() or 1, 8)  # 4 + 4 workers of 1 CPU
+    wide = parse_config({"decode": {"max_replicas": 30, "resources": {"num_cpus": 0.5}}})
+    assert Launcher(wide).local_num_cpus() == max(os.cpu_count() or 1, 4 + 15)
+    assert Launcher(parse_config({"ray": {"num_cpus": 3}})).local_num_cpus() == 3  # said explicitly: kept

@@ -24,7 +24,6 @@ from tests.cluster.test_serve import process_group_alive
 from tests.router.serve import free_port
 
 CONFIG = """
-ray: {num_cpus: 4}            # logical CPUs: three 1-CPU workers share this 2-core machine
 prefill:
   replicas: 1
   resources: {torch_threads: 1}
@@ -154,7 +153,7 @@ def test_decode_1_to_2_to_1_under_steady_load_fails_no_request(serve):
     drained = re.search(r"decode-1 drained in [\d.]+s: (\d+) in-flight and (\d+) late requests finished", log)
     assert drained and int(drained[1]) >= 1, log
     assert log.index("decode-1 draining") < drained.start() < log.index("decode-1 exited")
-    pid = int(re.search(r"decode-1 ready \(pid (\d+)\)", log)[1])  # type: ignore[index]
+    pid = int(re.search(r"decode-1 ready \(pid (\d+),", log)[1])  # type: ignore[index]
     wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 30, "decode-1's process to exit")
     assert sorted(w["id"] for w in status(serve.url)["workers"]) == ["decode-0", "prefill-0"]
 
@@ -180,5 +179,11 @@ def test_apply_takes_pool_sizes_and_refuses_what_needs_a_restart(serve, tmp_path
         "tandem apply: config error: decode: replicas (5) must be between min_replicas (1) and max_replicas (4)")
     done = serve.cli("scale", "decode=9")
     assert done.returncode == 2 and "decode.replicas: 9 is outside the pool's bounds [1, 5]" in done.stderr
+    # Scaled away before it has loaded: it served nothing, so it is cancelled, not drained.
+    assert httpx.post(f"{serve.url}/cluster/scale", json={"decode": {"replicas": 2}}).status_code == 202
+    wait_until(lambda: "decode-2 starting" in serve.text(), 30, "decode-2 to start")
+    done = serve.cli("scale", "decode=1", "--wait")
+    assert done.returncode == 0 and "decode-2 cancelled before it was ready" in serve.text(), serve.text()
+    assert "decode-2 ready" not in serve.text()
     done = serve.cli("scale", "decoder=2")
     assert done.returncode == 2 and "expected prefill=N or decode=N" in done.stderr
