@@ -32,7 +32,7 @@ from router.pool_api import pools_api, read_controller, read_targets
 from router.prefix_index import PrefixIndex
 from router.worker_client import WorkerClient
 from router.worker_directory import WorkerDirectory
-from workers.cluster_keys import ClusterKeys
+from workers.cluster_keys import ClusterKeys, ControllerState
 from workers.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -146,12 +146,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
                     "queued_prefill_tokens": e.load.waiting_prefill_tokens}
                    for w, e in sorted(state.directory.workers.items())]
         pools = {role: sum(1 for w in workers if w["role"] == role) for role in ("prefill", "decode")}
-        keys = ClusterKeys(state.config.cluster)
-        try:
-            targets = {r: t.replicas for r, t in (await read_targets(state.redis, keys)).items()}
-            controller = await read_controller(state.redis, keys)
-        except aioredis.RedisError:
-            targets, controller = {}, None
+        targets, controller = await _pools(state)
         return {"cluster": state.config.cluster, "model": state.model_name, "pools": pools, "targets": targets,
                 "starting": controller.starting if controller else [],
                 "draining": controller.draining if controller else [], "workers": workers}
@@ -168,7 +163,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         state: RouterState = request.app.state.router
-        _update_gauges(state)
+        _update_gauges(state, *await _pools(state))
         worker_ids = list(state.directory.workers)
         results = await asyncio.gather(
             *(asyncio.wait_for(state.client.metrics(w), state.config.metrics_timeout_s) for w in worker_ids),
@@ -179,10 +174,24 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
     return app
 
 
-def _update_gauges(state: RouterState) -> None:
+async def _pools(state: RouterState) -> tuple[dict[str, int], ControllerState | None]:
+    """Each pool's target size, and the controller's report (none without a controller or Redis)."""
+    keys = ClusterKeys(state.config.cluster)
+    try:
+        targets = {r: t.replicas for r, t in (await read_targets(state.redis, keys)).items()}
+        return targets, await read_controller(state.redis, keys)
+    except aioredis.RedisError:
+        return {}, None
+
+
+def _update_gauges(state: RouterState, targets: dict[str, int], controller: ControllerState | None) -> None:
     m = state.metrics
     for role in ("prefill", "decode"):
         m.workers.labels(role=role).set(len(state.directory.live(role)))
+        if role in targets:
+            m.pool_targets.labels(role=role).set(targets[role])
+    m.pool_changing.labels(state="starting").set(len(controller.starting) if controller else 0)
+    m.pool_changing.labels(state="draining").set(len(controller.draining) if controller else 0)
     m.index_nodes.set(state.index.num_nodes)
     m.kv_events.set(state.consumer.num_events_applied)
     m.kv_resyncs.set(state.consumer.num_resyncs)

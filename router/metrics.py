@@ -39,6 +39,10 @@ class RouterMetrics:
             registry=r)
         self.output_tokens = Counter("tandem_router_output_tokens", "Tokens streamed to clients", registry=r)
         self.workers = Gauge("tandem_router_live_workers", "Workers in routing", ["role"], registry=r)
+        self.pool_targets = Gauge("tandem_router_pool_target_workers", "Workers each pool should have",
+                                  ["role"], registry=r)
+        self.pool_changing = Gauge("tandem_router_pool_changing_workers", "Workers starting or draining",
+                                   ["state"], registry=r)
         self.index_nodes = Gauge("tandem_router_prefix_index_nodes", "Blocks in the prefix index", registry=r)
         self.kv_events = Gauge("tandem_router_kv_event_batches_applied", "KV event batches applied", registry=r)
         self.kv_resyncs = Gauge("tandem_router_kv_event_resyncs", "Snapshot reloads after a gap", registry=r)

@@ -80,6 +80,6 @@ class ControllerState:
     """What the pool controller reports: the running config and the workers changing state."""
 
     pid: int
-    config: dict[str, object]  # the running cluster config, as loaded (``tandem apply`` diffs against it)
+    config: dict[str, object]  # the running cluster config, pools as targeted now (``tandem apply`` diffs it)
     starting: list[str] = field(default_factory=list)
     draining: list[str] = field(default_factory=list)

@@ -59,6 +59,12 @@ def test_scale_writes_the_target_the_controller_reads(router, controller):
     status = httpx.get(f"{served.url}/cluster/status").json()
     assert status["targets"] == {"prefill": 6, "decode": 1} and status["draining"] == ["decode-3"]
     assert httpx.get(f"{served.url}/cluster/config").json() == {"name": keys.cluster, "decode": {"replicas": 1}}
+    metrics = httpx.get(f"{served.url}/metrics").text
+    for line in ('tandem_router_pool_target_workers{role="prefill"} 6.0',
+                 'tandem_router_pool_target_workers{role="decode"} 1.0',
+                 'tandem_router_pool_changing_workers{state="draining"} 1.0',
+                 'tandem_router_pool_changing_workers{state="starting"} 0.0'):
+        assert line in metrics.splitlines(), metrics
 
 
 @pytest.mark.parametrize("body, param, words", [
