@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 from workers.decode_service import DecodeService
 from workers.engine_service import EngineService
+from workers.named_actors import NamedActors
 from workers.protocol import GenerateRequest, TokenChunk
 
 
@@ -34,23 +35,11 @@ class RayWorkerClient:
 
     def __init__(self, namespace: str | None):
         self.namespace = namespace
-        self._handles: dict[str, Any] = {}
-
-    def _handle(self, worker_id: str) -> Any:
-        import ray
-
-        handle = self._handles.get(worker_id)
-        if handle is None:
-            try:
-                handle = ray.get_actor(worker_id, namespace=self.namespace)
-            except ValueError as e:
-                raise WorkerUnreachable(f"no worker actor {worker_id!r}") from e
-            self._handles[worker_id] = handle
-        return handle
+        self._actors = NamedActors(namespace, lambda w: WorkerUnreachable(f"no worker actor {w!r}"))
 
     def forget(self, worker_ids: list[str]) -> None:
         for worker_id in worker_ids:
-            self._handles.pop(worker_id, None)
+            self._actors.forget(worker_id)
 
     async def generate(self, decode_worker: str, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         import ray
@@ -58,7 +47,7 @@ class RayWorkerClient:
         from workers.actors import stream_generate
 
         try:
-            async with contextlib.aclosing(stream_generate(self._handle(decode_worker), request)) as stream:
+            async with contextlib.aclosing(stream_generate(self._actors.get(decode_worker), request)) as stream:
                 async for chunk in stream:
                     yield chunk
         except ray.exceptions.RayActorError as e:  # the actor died; its registry entry expires shortly
@@ -66,7 +55,7 @@ class RayWorkerClient:
             raise WorkerUnreachable(f"decode worker {decode_worker!r} died: {e}") from e
 
     async def metrics(self, worker_id: str) -> bytes:
-        return bytes(await self._handle(worker_id).metrics.remote())
+        return bytes(await self._actors.get(worker_id).metrics.remote())
 
 
 class LocalWorkerClient:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from workers.kv_transport import TransferError
+from workers.named_actors import NamedActors
 from workers.prefill_service import PrefillService
 from workers.protocol import PrefillRequest, PrefillResult, pack, unpack
 
@@ -31,28 +30,17 @@ class RayPrefillClient:
 
     def __init__(self, namespace: str | None = None):
         self.namespace = namespace
-        self._handles: dict[str, Any] = {}
-
-    def _handle(self, worker_id: str) -> Any:
-        handle = self._handles.get(worker_id)
-        if handle is None:
-            import ray
-
-            try:
-                handle = self._handles[worker_id] = ray.get_actor(worker_id, namespace=self.namespace)
-            except ValueError as e:
-                raise TransferError(f"prefill worker {worker_id!r} is gone") from e
-        return handle
+        self._actors = NamedActors(namespace, lambda w: TransferError(f"prefill worker {w!r} is gone"))
 
     async def prefill(self, worker_id: str, request: PrefillRequest) -> PrefillResult:
         import ray
 
         try:
-            data = await self._handle(worker_id).prefill.remote(pack(request))
+            data = await self._actors.get(worker_id).prefill.remote(pack(request))
         except ray.exceptions.RayActorError as e:
-            self._handles.pop(worker_id, None)
+            self._actors.forget(worker_id)
             raise TransferError(f"prefill worker {worker_id!r} is gone: {e}") from e
         return unpack(PrefillResult, data)
 
     async def cancel(self, worker_id: str, request_id: str) -> None:
-        await self._handle(worker_id).cancel.remote(request_id)
+        await self._actors.get(worker_id).cancel.remote(request_id)
