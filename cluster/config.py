@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from router.policy import PolicyConfig
+from workers.cluster_keys import ROLES
 from workers.config import EngineConfig, WorkerResources
 
 
@@ -174,7 +175,7 @@ def load_config(path: str | Path | None) -> ClusterConfig:
 def check_kv_budget(config: ClusterConfig, kv_bytes_per_token: int, model_max_len: int) -> None:
     """Each pool's KV pool must hold at least one request of ``max_model_len`` tokens."""
     max_len = config.model.max_model_len or model_max_len
-    for role in ("prefill", "decode"):
+    for role in ROLES:
         engine = config.pool(role).engine
         block_bytes = kv_bytes_per_token * engine.block_size
         num_blocks = engine.kv_cache_bytes // block_bytes

@@ -13,7 +13,8 @@ import sys
 from cluster.config import ClusterConfig, ConfigError, check_kv_budget
 from cluster.embedded_redis import EmbeddedRedis
 from cluster.pool_controller import PoolController
-from cluster.pool_manager import ROLES, PoolManager
+from cluster.pool_manager import PoolManager
+from workers.cluster_keys import ROLES
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,7 @@ class Launcher:
     def _warn_missing_resources(self, available: dict[str, float]) -> None:
         """A worker asking for more than any node offers waits (an autoscaler may add the node): say so."""
         for role in ROLES:
-            r = self.config.pool(role).resources
-            wanted = {"CPU": r.num_cpus, "GPU": r.num_gpus, **r.resources}
+            wanted = self.config.worker_resources(role).demand()
             short = [f"{k}={v:g} (the cluster has {available.get(k, 0):g})" for k, v in wanted.items()
                      if v > available.get(k, 0)]
             if short:

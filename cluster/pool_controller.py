@@ -16,13 +16,12 @@ import os
 import threading
 from dataclasses import asdict
 
-import msgpack
 import redis
 
 from cluster.config import ClusterConfig
-from cluster.pool_manager import ROLES, PoolManager
-from workers.cluster_keys import ClusterKeys, ControllerState, PoolTarget
-from workers.protocol import pack
+from cluster.pool_manager import PoolManager
+from workers.cluster_keys import ROLES, ClusterKeys, ControllerState, PoolTarget
+from workers.protocol import pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +72,11 @@ class PoolController:
 
     def reconcile(self) -> None:
         self.pools.poll()
-        stored = self._redis.hgetall(self.keys.pool_targets)
+        stored: dict[bytes, bytes] = self._redis.hgetall(self.keys.pool_targets)  # type: ignore[assignment]
         for role in ROLES:
             data = stored.get(role.encode())
             if data is not None:
-                self.targets[role] = PoolTarget(**msgpack.unpackb(data))
+                self.targets[role] = unpack(PoolTarget, data)
             self.pools.scale(role, self.targets[role].replicas)
         self._heartbeat()
 
@@ -86,4 +85,4 @@ class PoolController:
         for role, target in self.targets.items():  # the pools as they are meant to be now
             config[role].update(asdict(target))
         state = ControllerState(os.getpid(), config, self.pools.starting(), self.pools.draining())
-        self._redis.set(self.keys.controller, msgpack.packb(asdict(state)), px=self.heartbeat_ttl_ms)
+        self._redis.set(self.keys.controller, pack(state), px=self.heartbeat_ttl_ms)

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import ClusterConfig
+from workers.cluster_keys import ROLES
 from workers.publisher import PublishConfig
 
 log = logging.getLogger(__name__)
-
-ROLES = ("prefill", "decode")
 
 
 @dataclass
@@ -54,10 +53,6 @@ class PoolManager:
         self._start_failed_at = dict.fromkeys(ROLES, -float("inf"))
 
     # ---- views ----
-    def active(self, role: str) -> list[str]:
-        """Workers that count toward the pool: starting or serving, not draining."""
-        return [w.worker_id for w in self._workers.values() if w.role == role and w.drain_ref is None]
-
     def starting(self) -> list[str]:
         return [w.worker_id for w in self._workers.values() if w.ready_ref is not None and w.drain_ref is None]
 
@@ -117,21 +112,20 @@ class PoolManager:
                 self._on_ready(worker)
             elif worker.ready_ref is not None and now - worker.started_at > self.slow_start_s and not worker.slow:
                 worker.slow = True
-                need = self.config.worker_resources(worker.role)
+                need = _schedulable(self.config.worker_resources(worker.role).demand())
                 self.say(f"{worker.worker_id} is not ready after {self.slow_start_s:.0f}s: still loading, or no "
-                         f"Ray node has room for it (CPU={need.num_cpus:g} GPU={need.num_gpus:g} "
-                         f"{need.resources or ''}; free now: {_schedulable(ray.available_resources())})")
+                         f"Ray node has room for it (needs {need}; free now: "
+                         f"{_schedulable(ray.available_resources())})")
             if worker.drain_ref is None:
                 continue
             if ray.wait([worker.drain_ref], timeout=0)[0]:
                 try:
-                    self._end(worker, ray.get(worker.drain_ref))
+                    outcome = _drain_outcome(ray.get(worker.drain_ref))
                 except Exception as e:  # noqa: BLE001 - it died while draining
-                    self.say(f"{worker.worker_id} failed while draining: {e}")
-                    self._end(worker, None)
-            elif time.monotonic() > worker.drain_deadline:
-                self.say(f"{worker.worker_id} did not finish draining in time; stopping it")
-                self._end(worker, None)
+                    outcome = f"failed while draining: {e}"
+                self._end(worker, outcome)
+            elif now > worker.drain_deadline:
+                self._end(worker, "did not finish draining in time; stopping it")
 
     def _on_ready(self, worker: _Worker) -> None:
         import ray
@@ -151,16 +145,10 @@ class PoolManager:
         worker.pid = info["pid"]
         self.say(f"{worker.worker_id} ready (pid {worker.pid}, Ray node {info['node_id'][:12]})")
 
-    def _end(self, worker: _Worker, report: dict[str, Any] | None) -> None:
+    def _end(self, worker: _Worker, outcome: str) -> None:
         import ray
 
-        if report is None:
-            pass  # said by the caller
-        elif report["unfinished"]:
-            self.say(f"{worker.worker_id} drain timed out with {report['unfinished']} requests unfinished")
-        else:
-            self.say(f"{worker.worker_id} drained in {report['seconds']:.1f}s: {report['in_flight']} in-flight "
-                     f"and {report['arrived_after']} late requests finished")
+        self.say(f"{worker.worker_id} {outcome}")
         ray.kill(worker.handle)
         self._workers.pop(worker.worker_id)
         self.say(f"{worker.worker_id} exited")
@@ -197,6 +185,14 @@ class PoolManager:
                 pass
             ray.kill(worker.handle)
         self._workers.clear()
+
+
+def _drain_outcome(report: dict[str, Any]) -> str:
+    """What a worker's ``DrainReport`` says, for the log."""
+    if report["unfinished"]:
+        return f"drain timed out with {report['unfinished']} requests unfinished"
+    return (f"drained in {report['seconds']:.1f}s: {report['in_flight']} in-flight and {report['arrived_after']} "
+            "late requests finished")
 
 
 def _schedulable(resources: dict[str, float]) -> dict[str, float]:

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 
 from cluster.config import ConfigError, load_config
+from workers.cluster_keys import ROLES
 
-ROLES = ("prefill", "decode")
 LIVE_KEYS = ("replicas", "min_replicas", "max_replicas")  # what a running cluster can change
 
 

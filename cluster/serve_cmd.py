@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from cluster.config import ClusterConfig, ConfigError, load_config
+from workers.cluster_keys import ROLES
 
 
 def add_parser(sub: Any) -> None:
@@ -29,7 +30,7 @@ def apply_flags(config: ClusterConfig, args: argparse.Namespace) -> ClusterConfi
     from cluster.config import parse_config
 
     data = config.model_dump()
-    for role in ("prefill", "decode"):
+    for role in ROLES:
         n = getattr(args, role)
         if n is not None:
             pool = data[role]

@@ -32,7 +32,7 @@ from router.pool_api import pools_api, read_controller, read_targets
 from router.prefix_index import PrefixIndex
 from router.worker_client import WorkerClient
 from router.worker_directory import WorkerDirectory
-from workers.cluster_keys import ClusterKeys, ControllerState
+from workers.cluster_keys import ROLES, ClusterKeys, ControllerState
 from workers.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
                     "prefix_cache_hit_tokens": e.load.prefix_cache_hit_tokens,
                     "queued_prefill_tokens": e.load.waiting_prefill_tokens}
                    for w, e in sorted(state.directory.workers.items())]
-        pools = {role: sum(1 for w in workers if w["role"] == role) for role in ("prefill", "decode")}
+        pools = {role: sum(1 for w in workers if w["role"] == role) for role in ROLES}
         targets, controller = await _pools(state)
         return {"cluster": state.config.cluster, "model": state.model_name, "pools": pools, "targets": targets,
                 "starting": controller.starting if controller else [],
@@ -186,7 +186,7 @@ async def _pools(state: RouterState) -> tuple[dict[str, int], ControllerState | 
 
 def _update_gauges(state: RouterState, targets: dict[str, int], controller: ControllerState | None) -> None:
     m = state.metrics
-    for role in ("prefill", "decode"):
+    for role in ROLES:
         m.workers.labels(role=role).set(len(state.directory.live(role)))
         if role in targets:
             m.pool_targets.labels(role=role).set(targets[role])

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-import msgpack
 import redis.asyncio as aioredis
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -19,11 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from redis.exceptions import WatchError
 
 from router.errors import APIError
-from workers.cluster_keys import ClusterKeys, ControllerState, PoolTarget
+from workers.cluster_keys import ROLES, ClusterKeys, ControllerState, PoolTarget
 from workers.protocol import pack, unpack
 
 pools_api = APIRouter()
-ROLES = ("prefill", "decode")
 
 
 class PoolChange(BaseModel):
@@ -40,8 +38,8 @@ class ScaleRequest(BaseModel):
 
 
 async def read_controller(redis: aioredis.Redis, keys: ClusterKeys) -> ControllerState | None:
-    data = await redis.get(keys.controller)
-    return None if data is None else ControllerState(**msgpack.unpackb(data))
+    data: bytes | None = await redis.get(keys.controller)  # type: ignore[assignment]
+    return None if data is None else unpack(ControllerState, data)
 
 
 async def read_targets(redis: aioredis.Redis, keys: ClusterKeys) -> dict[str, PoolTarget]:

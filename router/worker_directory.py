@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgpack
 import redis.asyncio as aioredis
 
 from workers.cluster_keys import ClusterKeys, WorkerInfo
@@ -77,7 +76,7 @@ class WorkerDirectory:
             if raw_load is None:
                 continue  # registered but silent: dead or not started yet
             try:
-                info = WorkerInfo(**msgpack.unpackb(raw_info))
+                info = unpack(WorkerInfo, raw_info)
                 fresh[raw_id.decode()] = WorkerEntry(info, unpack(WorkerLoad, raw_load), now)
             except (TypeError, ValueError) as e:
                 log.warning("worker directory: ignoring worker %s with a bad record: %s", raw_id, e)

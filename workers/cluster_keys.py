@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+ROLES = ("prefill", "decode")  # the two pools; a worker's ``role``
+
 
 @dataclass(frozen=True)
 class ClusterKeys:

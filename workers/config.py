@@ -43,3 +43,7 @@ class WorkerResources:
     resources: dict[str, float] = field(default_factory=dict)
     # torch intra-op threads; None: Ray's OMP_NUM_THREADS for the actor (its num_cpus).
     torch_threads: int | None = None
+
+    def demand(self) -> dict[str, float]:
+        """What Ray must find free on one node, under Ray's resource names."""
+        return {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}

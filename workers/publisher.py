@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import msgpack
 import redis
@@ -144,7 +144,7 @@ class WorkerPublisher:
         """A new epoch: register, restart the stream with ``AllBlocksCleared``, write a snapshot."""
         self._epoch = random.getrandbits(62)
         self._seq = 0
-        self._redis.hset(self.keys.registry, self.info.worker_id, msgpack.packb(asdict(self.info)))
+        self._redis.hset(self.keys.registry, self.info.worker_id, pack(self.info))
         self._publish([AllBlocksCleared()])
         self._snapshot()
         self._in_sync = True

@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict
 
 import httpx
-import msgpack
 import pytest
 import redis
 
@@ -33,7 +31,7 @@ def controller(router):
     _, keys, r = router
     r.hset(keys.pool_targets, mapping={"prefill": pack(PoolTarget(1, 1, 4)), "decode": pack(PoolTarget(1, 1, 4))})
     config = {"name": keys.cluster, "decode": {"replicas": 1}}
-    r.set(keys.controller, msgpack.packb(asdict(ControllerState(1234, config, [], ["decode-3"]))), px=60_000)
+    r.set(keys.controller, pack(ControllerState(1234, config, [], ["decode-3"])), px=60_000)
     yield keys, r
     r.delete(keys.pool_targets, keys.controller)
 
