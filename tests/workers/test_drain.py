@@ -88,3 +88,18 @@ def test_drain_timeout_stops_the_worker_and_its_unfinished_request_ends_with_an_
     assert chunks[-1].finished and chunks[-1].error_kind == "unavailable" and "stopped" in chunks[-1].error
     late = asyncio.run(collect(decode, request(single, "r1", "Hello", endless, None)))
     assert len(late) == 1 and late[0].error_kind == "unavailable"
+
+
+def test_a_stopped_prefill_worker_is_unavailable_and_the_decode_worker_frees_its_blocks(make_engine):
+    """``unavailable`` before the first token: the router retries the request as a local prefill."""
+    prefill = PrefillService(make_engine(), TcpTransport(), "p9")
+    decode = DecodeService(make_engine(), TcpTransport(), "d9", LocalPrefillClient({"p9": prefill}),
+                           transfer_timeout_s=5.0)
+    prefill.close()
+    single = make_engine()
+    chunks = asyncio.run(collect(decode, request(single, "r0", text_of_tokens(single.tokenizer, 80, seed=3),
+                                                 LONG, "p9")))
+    assert len(chunks) == 1 and chunks[0].error_kind == "unavailable" and "p9 has stopped" in chunks[0].error
+    assert decode.loop.call(lambda e: e.block_pool.num_used_blocks).result(timeout=10) == 0
+    assert decode.num_in_flight() == 0
+    decode.close()

@@ -103,6 +103,16 @@ def test_local_prefill_outputs_equal_single_engine(tcp_cluster, expected):
     check_outputs(d1, None, expected, "local")
 
 
+def test_a_prefill_worker_that_is_gone_is_a_transfer_error_and_frees_the_reserved_blocks(tcp_cluster, expected):
+    """The kind the router retries as a local prefill (a drained prefill worker's actor is gone)."""
+    _, (d0, _) = tcp_cluster
+    prompts, _ = expected
+    chunks = generate(d0, "gone-0", prompts[-1], "tcp-p-drained")
+    assert len(chunks) == 1 and chunks[0].finished and chunks[0].error_kind == "transfer"
+    assert chunks[0].error == "prefill worker 'tcp-p-drained' is gone"
+    wait_until(lambda: used_blocks(d0) == [0])
+
+
 @pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 missing")
 def test_nixl_outputs_equal_single_engine(ray_cluster, expected):
     prefill, (d0,) = start_cluster("nixl", 1, "nixl")
