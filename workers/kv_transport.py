@@ -46,11 +46,6 @@ def coalesce_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) ->
     return runs
 
 
-def run_segments(kv_cache: torch.Tensor, start: int, num_blocks: int) -> list[torch.Tensor]:
-    """The contiguous pieces of a block run, in wire order (layer-major, then K, V)."""
-    return [kv_cache[layer, j, start : start + num_blocks] for layer in range(kv_cache.shape[0]) for j in (0, 1)]
-
-
 def check_cache_layout(kv_cache: torch.Tensor) -> None:
     if not kv_cache.is_contiguous() or kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
         raise ValueError("register a contiguous [layers, 2, blocks, block_size, kv_heads, head_dim] cache")
@@ -66,6 +61,13 @@ class CacheLayout(NamedTuple):
     @classmethod
     def of(cls, kv_cache: torch.Tensor) -> CacheLayout:
         return cls(kv_cache.shape[0], kv_cache.shape[2], kv_cache[0, 0, 0].numel() * kv_cache.element_size())
+
+    def run_spans(self, start: int, num_blocks: int) -> list[tuple[int, int]]:
+        """(byte offset from the cache's start, length) of each contiguous piece of a block run, in wire
+        order (layer-major, then K, V). Plain arithmetic: a transfer of scattered blocks has thousands."""
+        slab = self.num_blocks * self.slab_block_bytes
+        first, length = start * self.slab_block_bytes, num_blocks * self.slab_block_bytes
+        return [(i * slab + first, length) for i in range(self.num_layers * 2)]
 
 
 def layout_error(receiver: CacheLayout | None, sender: CacheLayout, dst_runs: Sequence[tuple[int, int]]) -> str | None:

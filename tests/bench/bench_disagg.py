@@ -4,7 +4,8 @@
 
 Each repeat uses a fresh prompt (no prefix-cache hits anywhere). The single engine runs in this
 process; the workers are local Ray actors on the same CPU, each with the same torch thread count,
-and only one request is in flight at a time. Prints medians and the overhead ratio per transport.
+and only one request is in flight at a time. The rounds are interleaved (each path once per round,
+back to back); prints medians and the median of per-round overhead ratios per transport.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -75,32 +77,42 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     engine = Engine(CONFIG)
     engine_ttft(engine, prompts(engine, 1, 999)[0])  # warm-up
-    rows = [("one engine (this process)", statistics.median(
-        engine_ttft(engine, p) for p in prompts(engine, args.repeats, 0)))]
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     resources = WorkerResources(num_cpus=1, torch_threads=THREADS)
-    for i, transport in enumerate(["tcp"] + (["nixl"] if nixl_available() else [])):
+    paths: dict[str, Callable[[list[int], str], float]] = {
+        "one engine (this process)": lambda p, _: engine_ttft(engine, p)}
+    actors = []
+    for transport in ["tcp"] + (["nixl"] if nixl_available() else []):
         prefill = start_prefill_worker(f"bench-p-{transport}", CONFIG, resources, transport)
         decode = start_decode_worker(f"bench-d-{transport}", CONFIG, resources, transport)
         ray.get([prefill.ready.remote(), decode.ready.remote()])
-        disagg_ttft(decode, prompts(engine, 1, 500 + i)[0], f"warm-{transport}", f"bench-p-{transport}")
-        times = [disagg_ttft(decode, p, f"{transport}-{j}", f"bench-p-{transport}")
-                 for j, p in enumerate(prompts(engine, args.repeats, 100 * (i + 1)))]
-        rows.append((f"1P+1D Ray actors, {transport}", statistics.median(times)))
-        if i == 0:
-            local_prompts = prompts(engine, args.repeats, 50)
-            local = [disagg_ttft(decode, p, f"local-{j}", None) for j, p in enumerate(local_prompts)]
-            rows.append(("decode actor, local prefill", statistics.median(local)))
-        ray.kill(prefill)
-        ray.kill(decode)
+        actors += [prefill, decode]
+        paths[f"1P+1D Ray actors, {transport}"] = (
+            lambda p, rid, d=decode, name=f"bench-p-{transport}": disagg_ttft(d, p, rid, name))
+        if transport == "tcp":
+            paths["decode actor, local prefill"] = lambda p, rid, d=decode: disagg_ttft(d, p, rid, None)
+    # The machine is shared and noisy: every round runs each path once, back to back, on fresh prompts;
+    # the ratios are medians of per-round ratios.
+    all_prompts = prompts(engine, (args.repeats + 1) * len(paths), 0)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for r in range(args.repeats + 1):
+        for k, (name, fn) in enumerate(paths.items()):
+            seconds = fn(all_prompts[r * len(paths) + k], f"r{r}-{k}")
+            if r:  # round 0 warms up every path
+                times[name].append(seconds)
+        print(f"round {r}: " + ", ".join(f"{ts[-1] * 1e3:.0f}" for ts in times.values() if r), flush=True)
+    for actor in actors:
+        ray.kill(actor)
     ray.shutdown()
-    base = rows[0][1]
-    print(f"TTFT of a {PROMPT_TOKENS}-token prompt, median of {args.repeats}, {THREADS} torch threads")
+    base = times["one engine (this process)"]
+    print(f"TTFT of a {PROMPT_TOKENS}-token prompt, {args.repeats} interleaved rounds, medians, "
+          f"{THREADS} torch threads")
     print("| path | TTFT | vs one engine | target |")
     print("| --- | --- | --- | --- |")
-    for name, seconds in rows:
+    for name, ts in times.items():
         target = "<= 1.15x" if name.startswith("1P+1D") else ""
-        print(f"| {name} | {seconds * 1e3:.0f} ms | {seconds / base:.2f}x | {target} |")
+        ratio = statistics.median(t / b for t, b in zip(ts, base, strict=True))
+        print(f"| {name} | {statistics.median(ts) * 1e3:.0f} ms | {ratio:.2f}x | {target} |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""KV transports (tcp, nixl): exact block copies, coalesced runs, clear errors, no hangs."""
+"""KV transports (tcp with its same-host copy, tcp on sockets only, nixl): exact block copies, coalesced
+runs, clear errors, no hangs."""
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import signal
@@ -12,12 +14,19 @@ import time
 import pytest
 import torch
 
-from workers.kv_transport import BlockRun, TransferError, coalesce_runs, make_transport
+from workers import tcp_transport
+from workers.kv_transport import BlockRun, KVTransport, TransferError, coalesce_runs, make_transport
 from workers.nixl_transport import nixl_available
 from workers.tcp_transport import TcpTransport
 
 SHAPE = (3, 2, 40, 4, 2, 8)  # layers, K/V, blocks, block_size, kv_heads, head_dim
-BACKENDS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 missing"))]
+BACKENDS = ["tcp", "tcp-sockets",
+            pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 missing"))]
+
+
+def make(backend: str) -> KVTransport:
+    """``tcp-sockets``: the tcp transport with its same-host copy turned off (the path between hosts)."""
+    return TcpTransport(same_host_copy=False) if backend == "tcp-sockets" else make_transport(backend)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -27,7 +36,7 @@ def backend(request):
 
 @pytest.fixture
 def pair(backend):
-    a, b = make_transport(backend), make_transport(backend)
+    a, b = make(backend), make(backend)
     a.register(torch.randn(SHAPE))
     b.register(torch.zeros(SHAPE))
     yield a, b
@@ -36,10 +45,13 @@ def pair(backend):
 
 
 def _remote_receiver(backend: str, conn) -> None:  # type: ignore[no-untyped-def]
-    transport = make_transport(backend)
-    transport.register(torch.zeros(SHAPE))
+    """Serves its cache's blocks on request (a list of block ids) until told "stop"."""
+    transport = make(backend)
+    cache = torch.zeros(SHAPE)
+    transport.register(cache)
     conn.send(transport.address())
-    conn.recv()
+    while (blocks := conn.recv()) != "stop":
+        conn.send(cache[:, :, blocks].clone())
 
 
 @pytest.fixture
@@ -50,7 +62,7 @@ def remote_peer(backend):
     proc = ctx.Process(target=_remote_receiver, args=(backend, child), daemon=True)
     proc.start()
     address = parent.recv()
-    yield address, proc
+    yield address, proc, parent
     if proc.is_alive():
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
@@ -98,7 +110,7 @@ def test_concurrent_transfers(pair):
 
 def test_layout_mismatch_and_bad_range_are_refused(pair, backend):
     a, b = pair
-    wrong = make_transport(backend)
+    wrong = make(backend)
     wrong.register(torch.zeros(4, 2, 40, 4, 2, 8))  # one more layer
     with pytest.raises(TransferError, match="layout mismatch"):
         a.write_blocks(wrong.address(), [1], [1], "r", timeout_s=5)
@@ -109,14 +121,71 @@ def test_layout_mismatch_and_bad_range_are_refused(pair, backend):
 
 def test_transfer_to_another_process(pair, remote_peer):
     a, _ = pair
-    address, _ = remote_peer
-    result = a.write_blocks(address, list(range(10)), list(range(10, 20)), "r", timeout_s=10)
-    assert result.num_bytes > 0
+    address, _, ask = remote_peer
+    src, dst = [0, 1, 2, 3, 9, 25], [10, 11, 12, 13, 5, 39]
+    result = a.write_blocks(address, src, dst, "r", timeout_s=10)
+    ask.send(dst)
+    assert torch.equal(ask.recv(), a.kv_cache[:, :, src])
+    ask.send([i for i in range(SHAPE[2]) if i not in dst])
+    assert ask.recv().abs().sum() == 0
+    assert result.num_bytes == len(src) * SHAPE[0] * 2 * SHAPE[3] * SHAPE[4] * SHAPE[5] * 4
+
+
+def test_tcp_same_host_copy_is_used_only_between_processes_of_one_host(monkeypatch):
+    used = []
+    real = tcp_transport.write_to_process
+    monkeypatch.setattr(tcp_transport, "write_to_process", lambda *a: used.append(a) or real(*a))
+    a, b, sockets_only = TcpTransport(), TcpTransport(), TcpTransport(same_host_copy=False)
+    a.register(torch.randn(SHAPE))
+    for t in (b, sockets_only):
+        t.register(torch.zeros(SHAPE))
+    try:
+        assert b.address()["host_id"] == a.host_id and "pid" not in sockets_only.address()
+        a.write_blocks(b.address(), [1, 2], [3, 4], "direct", timeout_s=5)
+        assert len(used) == 1 and torch.equal(b.kv_cache[:, :, 3:5], a.kv_cache[:, :, 1:3])
+        a.write_blocks(sockets_only.address(), [1, 2], [3, 4], "socket", timeout_s=5)
+        other_host = {**b.address(), "host_id": "another-boot/1"}
+        a.write_blocks(other_host, [5], [6], "socket", timeout_s=5)
+        assert len(used) == 1 and torch.equal(sockets_only.kv_cache[:, :, 3:5], a.kv_cache[:, :, 1:3])
+        assert torch.equal(b.kv_cache[:, :, 6], a.kv_cache[:, :, 5])
+    finally:
+        for t in (a, b, sockets_only):
+            t.close()
+
+
+@pytest.fixture
+def tcp_pair():
+    a, b = TcpTransport(), TcpTransport()
+    a.register(torch.randn(SHAPE))
+    b.register(torch.zeros(SHAPE))
+    assert a.host_id is not None, "this Linux host has process_vm_writev"
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_tcp_same_host_copy_refused_by_the_kernel_falls_back_to_the_socket(tcp_pair, monkeypatch, caplog):
+    def refuse(*_):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    a, b = tcp_pair
+    monkeypatch.setattr(tcp_transport, "write_to_process", refuse)
+    a.write_blocks(b.address(), [7, 8], [1, 2], "r", timeout_s=5)
+    assert torch.equal(b.kv_cache[:, :, 1:3], a.kv_cache[:, :, 7:9])
+    assert a.host_id is None and "use the socket" in caplog.text
+
+
+def test_tcp_same_host_copy_to_a_wrong_address_fails_cleanly(tcp_pair):
+    a, b = tcp_pair
+    with pytest.raises(TransferError, match="failed"):
+        a.write_blocks({**b.address(), "base": 4096}, [1], [1], "r", timeout_s=5)  # EFAULT: unmapped page
+    a.write_blocks(b.address(), [1], [1], "next", timeout_s=5)
+    assert torch.equal(b.kv_cache[:, :, 1], a.kv_cache[:, :, 1])
 
 
 def test_killed_peer_fails_within_timeout_and_sender_keeps_serving(pair, remote_peer):
     a, b = pair
-    address, proc = remote_peer
+    address, proc, _ = remote_peer
     a.write_blocks(address, [0], [0], "warm", timeout_s=10)  # an established connection, then death
     proc.kill()
     proc.join(timeout=10)
@@ -134,7 +203,7 @@ def test_stopped_peer_never_hangs_the_sender(pair, remote_peer):
     One-sided backends (nixl over shared memory) may legitimately complete without the receiver's CPU.
     """
     a, b = pair
-    address, proc = remote_peer
+    address, proc, _ = remote_peer
     os.kill(proc.pid, signal.SIGSTOP)
     t0 = time.perf_counter()
     try:
