@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from router.errors import WORKER_ERROR_STATUS, APIError
 from router.responses import DONE_EVENT, Completion, error_event
 from router.schemas import ChatCompletionRequest, CompletionRequest
-from router.sse import EventStreamResponse
+from router.sse import EventStreamResponse, until_disconnect
 from workers.errors import InvalidRequestError
 from workers.protocol import TokenChunk, sampling_to_dict
 from workers.sampling_params import SamplingParams
@@ -29,7 +29,6 @@ from workers.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from router.app import RouterState
 
-T = TypeVar("T")
 api = APIRouter()
 
 # Tokenizing a huge string takes long; beyond this many characters per allowed token it cannot fit.
@@ -83,7 +82,7 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens
 async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> Response:
     """Counts the request; a stream is counted by ``_stream`` when it ends."""
     state: RouterState = request.app.state.router
-    endpoint = request.url.path
+    endpoint = request.scope["path"]  # not request.url: building a URL costs ~50 us
     state.metrics.in_flight.inc()
     status = "500"
     response: Response | None = None
@@ -117,15 +116,17 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
     completion = Completion(kind, prefix + uuid.uuid4().hex, state.model_name, bool(sampling["logprobs"]))
     chunks = state.dispatcher.generate(prompt_ids, sampling, body.cache_salt, sampling["max_tokens"],
                                        shape.block_size)
-    first = await _until_disconnect(request, _first_chunk(chunks), on_disconnect=chunks.aclose)
-    if first is None:  # the client left before the first token; the request is cancelled
+    first, gone = await until_disconnect(request.receive, _first_chunk(chunks))
+    if gone or first is None:  # the client left before the first token: cancel the request
+        await chunks.aclose()
         return Response(status_code=499)
     state.metrics.ttft.observe(time.perf_counter() - arrival)
     if body.stream:
         return EventStreamResponse(_stream(state, completion, first, chunks, body.include_usage, arrival,
-                                           request.url.path), headers={"Cache-Control": "no-cache"})
-    collected = await _until_disconnect(request, _collect(completion, first, chunks), on_disconnect=chunks.aclose)
-    if collected is None:
+                                           request.scope["path"]), headers={"Cache-Control": "no-cache"})
+    collected, gone = await until_disconnect(request.receive, _collect(completion, first, chunks))
+    if gone or collected is None:
+        await chunks.aclose()
         return Response(status_code=499)
     state.metrics.output_tokens.inc(completion.num_output_tokens)
     state.metrics.e2e.observe(time.perf_counter() - arrival)
@@ -196,26 +197,3 @@ async def _stream(state: RouterState, completion: Completion, first: TokenChunk,
         state.metrics.requests.labels(endpoint, status).inc()
         state.metrics.in_flight.dec()
         await chunks.aclose()
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T], on_disconnect: Any) -> T | None:
-    """Run ``work`` unless the client disconnects first (then cancel it, call ``on_disconnect``, return None)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await on_disconnect()
-    return None
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
