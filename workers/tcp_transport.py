@@ -154,7 +154,9 @@ class TcpTransport(KVTransport):
         direct = self._same_host(peer)
         header = _frame({
             "request_id": request_id, "runs": [[r.dst_start, r.num_blocks] for r in runs], "layout": list(layout),
-            "direct": direct,
+            # The receiver accepts a direct write only into itself: an address outlived by its
+            # process (pid and port both reused) is refused, never written into.
+            "direct": [int(peer["pid"]), int(peer["base"])] if direct else None,
         })
         spans = [span for run in runs for span in layout.run_spans(run.src_start, run.num_blocks)]
         with _blocking(socket.create_connection((peer["host"], int(peer["port"])), timeout=deadline.seconds)) as sock:
@@ -227,6 +229,9 @@ class TcpTransport(KVTransport):
 
     def _check_header(self, header: dict[str, Any]) -> str | None:
         receiver = CacheLayout.of(self.kv_cache) if self.kv_cache is not None else None
+        direct = header.get("direct")
+        if direct and (self.kv_cache is None or direct != [os.getpid(), self.kv_cache.data_ptr()]):
+            return f"stale address: a same-host copy into pid {direct[0]}, which is not this receiver's cache"
         return layout_error(receiver, CacheLayout(*header["layout"]), header["runs"])
 
 

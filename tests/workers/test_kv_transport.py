@@ -177,8 +177,11 @@ def test_tcp_same_host_copy_refused_by_the_kernel_falls_back_to_the_socket(tcp_p
 
 def test_tcp_same_host_copy_to_a_wrong_address_fails_cleanly(tcp_pair):
     a, b = tcp_pair
-    with pytest.raises(TransferError, match="failed"):
-        a.write_blocks({**b.address(), "base": 4096}, [1], [1], "r", timeout_s=5)  # EFAULT: unmapped page
+    with pytest.raises(TransferError, match="stale address"):  # the receiver vouches for pid and base
+        a.write_blocks({**b.address(), "base": 4096}, [1], [1], "r", timeout_s=5)
+    with pytest.raises(TransferError, match="stale address"):
+        a.write_blocks({**b.address(), "pid": 1}, [1], [1], "r", timeout_s=5)
+    assert b.kv_cache.abs().sum() == 0
     a.write_blocks(b.address(), [1], [1], "next", timeout_s=5)
     assert torch.equal(b.kv_cache[:, :, 1], a.kv_cache[:, :, 1])
 
