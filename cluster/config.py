@@ -70,7 +70,7 @@ class PoolSection(_Strict):
 
 
 class TransportSection(_Strict):
-    backend: Literal["tcp", "nixl"] = "tcp"
+    backend: Literal["tcp", "nixl", "nccl"] = "tcp"
     timeout_s: float = Field(default=30.0, gt=0)
 
 

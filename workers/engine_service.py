@@ -26,8 +26,8 @@ from workers.publisher import PublishConfig, WorkerPublisher
 @dataclass
 class DrainReport:
     worker_id: str
-    in_flight: int  # requests held when the worker left routing
-    arrived_after: int  # requests that arrived after it left (routed before a router noticed)
+    in_flight: int  # requests held when the worker began to leave routing
+    arrived_after: int  # requests that arrived after that (routed before a router noticed)
     seconds: float
     unfinished: int  # still running at the drain timeout (stopped with the worker)
 
@@ -80,8 +80,9 @@ class EngineService:
     async def drain(self, grace_s: float = 1.0, timeout_s: float = 300.0) -> DrainReport:
         """Leave routing, finish what is in flight (up to ``timeout_s``), then stop the worker."""
         t0 = time.monotonic()
-        await asyncio.to_thread(self._leave_routing)
+        # Counted before leaving: a request that arrives while the worker leaves was routed late.
         in_flight, started = self.num_in_flight(), self.num_requests_started
+        await asyncio.to_thread(self._leave_routing)
         await asyncio.sleep(grace_s)
         while self.num_in_flight() and time.monotonic() - t0 < timeout_s:
             await asyncio.sleep(0.05)

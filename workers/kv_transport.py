@@ -1,6 +1,7 @@
 """KV transport: moves KV blocks from a prefill worker's cache into a decode worker's cache.
 
-One small interface, several backends: ``tcp`` (always available), ``nixl`` (NIXL agents over UCX). Ownership: a
+One small interface, several backends: ``tcp`` (always available), ``nixl`` (NIXL agents over UCX),
+``nccl`` (torch.distributed send/recv: NCCL between GPUs, gloo between CPU caches). Ownership: a
 worker registers its whole KV cache once; a transfer writes source blocks into destination blocks
 that the *receiver* reserved beforehand (admission), so the receiver owns them throughout and frees
 them if the transfer fails.
@@ -119,7 +120,7 @@ class KVTransport(ABC):
         """Stop serving and release sockets or agents."""
 
 
-TRANSPORTS = ("tcp", "nixl")
+TRANSPORTS = ("tcp", "nixl", "nccl")
 
 
 def make_transport(backend: str, host: str = "127.0.0.1", device: str = "cpu") -> KVTransport:
@@ -132,4 +133,8 @@ def make_transport(backend: str, host: str = "127.0.0.1", device: str = "cpu") -
         from workers.nixl_transport import NixlTransport
 
         return NixlTransport(device=device)
+    if backend == "nccl":
+        from workers.nccl_transport import NcclTransport
+
+        return NcclTransport(host=host)
     raise ValueError(f"unknown KV transport {backend!r}; choose one of {', '.join(TRANSPORTS)}")

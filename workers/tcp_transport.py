@@ -56,7 +56,7 @@ _TIMEVAL = struct.Struct("@ll")  # struct timeval
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # pieces per sendmsg/recvmsg_into call
 
 
-class _Deadline:
+class Deadline:
     """Gives each blocking call on a socket the time left of the whole transfer.
 
     The limit is the kernel's (SO_SNDTIMEO / SO_RCVTIMEO), not Python's ``settimeout``: that one makes
@@ -67,8 +67,11 @@ class _Deadline:
         self.seconds = seconds
         self.at = time.monotonic() + seconds
 
+    def left(self) -> float:
+        return max(self.at - time.monotonic(), 0.0)
+
     def arm(self, sock: socket.socket) -> None:
-        left = self.at - time.monotonic()
+        left = self.left()
         if left <= 0:
             raise TimeoutError(f"timed out after {self.seconds}s")
         _kernel_timeouts(sock, left)
@@ -125,7 +128,7 @@ class TcpTransport(KVTransport):
         where = f"transfer {request_id} to {peer.get('host')}:{peer.get('port')}"
         t0 = time.perf_counter()
         try:
-            num_bytes = self._send(peer, runs, request_id, _Deadline(timeout_s))
+            num_bytes = self._send(peer, runs, request_id, Deadline(timeout_s))
         except (TimeoutError, BlockingIOError):  # BlockingIOError: a kernel timeout (EAGAIN) ran out
             raise TransferError(f"{where} timed out after {timeout_s}s") from None
         except (OSError, ValueError) as e:
@@ -148,38 +151,58 @@ class TcpTransport(KVTransport):
         self._listener.close()
 
     # ---- sending ----
-    def _send(self, peer: dict[str, Any], runs: list[BlockRun], request_id: str, deadline: _Deadline) -> int:
+    def _send(self, peer: dict[str, Any], runs: list[BlockRun], request_id: str, deadline: Deadline) -> int:
         assert self.kv_cache is not None
         layout = CacheLayout.of(self.kv_cache)
-        direct = self._same_host(peer)
-        header = _frame({
-            "request_id": request_id, "runs": [[r.dst_start, r.num_blocks] for r in runs], "layout": list(layout),
-            # The receiver accepts a direct write only into itself: an address outlived by its
-            # process (pid and port both reused) is refused, never written into.
-            "direct": [int(peer["pid"]), int(peer["base"])] if direct else None,
-        })
+        header = {"request_id": request_id, "runs": [[r.dst_start, r.num_blocks] for r in runs],
+                  "layout": list(layout), **self._payload_fields(peer)}
         spans = [span for run in runs for span in layout.run_spans(run.src_start, run.num_blocks)]
         with _blocking(socket.create_connection((peer["host"], int(peer["port"])), timeout=deadline.seconds)) as sock:
-            _send_all(sock, [header], deadline)
+            _send_all(sock, [_frame(header)], deadline)
             _expect_ok(sock, deadline)
-            if direct:
-                written = self._write_direct(peer, runs, layout, spans)
-                _send_all(sock, [_frame({"written": written})], deadline)
-                direct = written
-            if not direct:
-                _send_all(sock, _source_pieces(self.kv_cache, spans), deadline)
+            self._send_payload(sock, header, peer, runs, spans, deadline)
             _expect_ok(sock, deadline)
         return sum(n for _, n in spans)
+
+    # ---- the payload: the part a subclass moves another way (nccl_transport) ----
+    def _payload_fields(self, peer: dict[str, Any]) -> dict[str, Any]:
+        """What the header says about how the payload travels."""
+        # The receiver accepts a direct write only into itself: an address outlived by its
+        # process (pid and port both reused) is refused, never written into.
+        return {"direct": [int(peer["pid"]), int(peer["base"])] if self._same_host(peer) else None}
+
+    def _send_payload(self, sock: socket.socket, header: dict[str, Any], peer: dict[str, Any],
+                      runs: list[BlockRun], spans: list[tuple[int, int]], deadline: Deadline) -> None:
+        assert self.kv_cache is not None
+        if header["direct"]:
+            written = self._write_direct(peer, runs, spans)
+            _send_all(sock, [_frame({"written": written})], deadline)
+            if written:
+                return
+        _send_all(sock, _source_pieces(self.kv_cache, spans), deadline)
+
+    def _receive_payload(self, conn: socket.socket, header: dict[str, Any], spans: list[tuple[int, int]]) -> None:
+        assert self.kv_cache is not None
+        written = header.get("direct") and msgpack.unpackb(_recv_frame(conn))["written"]
+        if not written:
+            _recv_spans(conn, self.kv_cache, spans)
+
+    def _check_payload(self, header: dict[str, Any]) -> str | None:
+        """Why this receiver cannot take the payload the way the header says, or None."""
+        direct = header.get("direct")
+        if direct and (self.kv_cache is None or direct != [os.getpid(), self.kv_cache.data_ptr()]):
+            return f"stale address: a same-host copy into pid {direct[0]}, which is not this receiver's cache"
+        return None
 
     def _same_host(self, peer: dict[str, Any]) -> bool:
         assert self.kv_cache is not None
         return (self.host_id is not None and peer.get("host_id") == self.host_id
                 and self.kv_cache.device.type == "cpu")
 
-    def _write_direct(self, peer: dict[str, Any], runs: list[BlockRun], layout: CacheLayout,
-                      spans: list[tuple[int, int]]) -> bool:
+    def _write_direct(self, peer: dict[str, Any], runs: list[BlockRun], spans: list[tuple[int, int]]) -> bool:
         """Copy the spans into the peer's cache; False where the kernel forbids it (then: the socket)."""
         assert self.kv_cache is not None
+        layout = CacheLayout.of(self.kv_cache)
         remote = [span for run in runs for span in layout.run_spans(run.dst_start, run.num_blocks)]
         triples = [(src, dst, n) for (src, n), (dst, _) in zip(spans, remote, strict=True)]
         try:
@@ -215,9 +238,7 @@ class TcpTransport(KVTransport):
             assert self.kv_cache is not None
             layout = CacheLayout.of(self.kv_cache)
             spans = [span for start, count in header["runs"] for span in layout.run_spans(start, count)]
-            written = header.get("direct") and msgpack.unpackb(_recv_frame(conn))["written"]
-            if not written:
-                _recv_spans(conn, self.kv_cache, spans)
+            self._receive_payload(conn, header, spans)
             self.num_bytes_received += sum(n for _, n in spans)
             _send_frame(conn, {"ok": True, "error": None})
         except (OSError, ValueError, KeyError, msgpack.UnpackException):
@@ -229,10 +250,8 @@ class TcpTransport(KVTransport):
 
     def _check_header(self, header: dict[str, Any]) -> str | None:
         receiver = CacheLayout.of(self.kv_cache) if self.kv_cache is not None else None
-        direct = header.get("direct")
-        if direct and (self.kv_cache is None or direct != [os.getpid(), self.kv_cache.data_ptr()]):
-            return f"stale address: a same-host copy into pid {direct[0]}, which is not this receiver's cache"
-        return layout_error(receiver, CacheLayout(*header["layout"]), header["runs"])
+        return (layout_error(receiver, CacheLayout(*header["layout"]), header["runs"])
+                or self._check_payload(header))
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -269,7 +288,7 @@ def _pop_bytes(stack: list[memoryview], n: int) -> None:
             n = 0
 
 
-def _send_all(sock: socket.socket, pieces: Sequence[memoryview | bytes], deadline: _Deadline) -> None:
+def _send_all(sock: socket.socket, pieces: Sequence[memoryview | bytes], deadline: Deadline) -> None:
     stack = _io_stack(pieces)
     while stack:
         deadline.arm(sock)
@@ -308,7 +327,7 @@ def _send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
     sock.sendall(_frame(obj))
 
 
-def _expect_ok(sock: socket.socket, deadline: _Deadline) -> None:
+def _expect_ok(sock: socket.socket, deadline: Deadline) -> None:
     deadline.arm(sock)
     reply = msgpack.unpackb(_recv_frame(sock))
     if not reply.get("ok"):

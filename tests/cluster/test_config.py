@@ -31,7 +31,7 @@ def test_gpu_examples_parse(name):
     ({"decode": {"min_replicas": 3, "max_replicas": 2, "replicas": 2}},
      "decode: min_replicas (3) exceeds max_replicas (2)"),
     ({"prefill": {"replicas": 9}}, "prefill: replicas (9) must be between min_replicas (1) and max_replicas (4)"),
-    ({"transport": {"backend": "carrier-pigeon"}}, "transport.backend: Input should be 'tcp' or 'nixl'"),
+    ({"transport": {"backend": "carrier-pigeon"}}, "transport.backend: Input should be 'tcp', 'nixl' or 'nccl'"),
     ({"decode": {"engine": {"kv_cache_bytes": 0}}}, "decode.engine.kv_cache_bytes: Input should be greater than"),
 ])
 def test_bad_config_is_one_line_naming_the_key(data, message):

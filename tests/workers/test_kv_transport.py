@@ -1,4 +1,4 @@
-"""KV transports (tcp with its same-host copy, tcp on sockets only, nixl): exact block copies, coalesced
+"""KV transports (tcp with its same-host copy, tcp on sockets only, nccl over gloo, nixl): exact block copies, coalesced
 runs, clear errors, no hangs."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from workers.nixl_transport import nixl_available
 from workers.tcp_transport import TcpTransport
 
 SHAPE = (3, 2, 40, 4, 2, 8)  # layers, K/V, blocks, block_size, kv_heads, head_dim
-BACKENDS = ["tcp", "tcp-sockets",
+BACKENDS = ["tcp", "tcp-sockets", "nccl",  # nccl: gloo between CPU caches, the same code path
             pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 missing"))]
 
 
@@ -231,3 +231,42 @@ def test_tcp_unresponsive_listener_times_out():
     finally:
         silent.close()
         a.close()
+
+
+@pytest.fixture
+def nccl_pair():
+    a, b = make_transport("nccl"), make_transport("nccl")
+    a.register(torch.randn(SHAPE))
+    b.register(torch.zeros(SHAPE))
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_nccl_pair_group_is_kept_and_one_dropped_after_a_failure_is_made_again(nccl_pair):
+    a, b = nccl_pair
+    assert b.address()["collective"] == "gloo"
+    a.write_blocks(b.address(), [1], [1], "first", timeout_s=10)
+    a.write_blocks(b.address(), [2], [2], "second", timeout_s=10)
+    assert len(b._receiving) == 1  # one group for both transfers
+    b._drop_receiving(next(iter(b._receiving)))  # the receiver's side failed and dropped its group
+    with pytest.raises(TransferError, match="unknown pair group"):
+        a.write_blocks(b.address(), [3], [3], "refused", timeout_s=10)
+    a.write_blocks(b.address(), [4, 5], [4, 5], "new group", timeout_s=10)
+    assert torch.equal(b.kv_cache[:, :, [1, 2, 4, 5]], a.kv_cache[:, :, [1, 2, 4, 5]])
+    assert b.kv_cache[:, :, 3].abs().sum() == 0
+
+
+def test_nccl_receiver_that_never_posts_its_receive_times_out_the_send(nccl_pair, monkeypatch):
+    a, b = nccl_pair
+    a.write_blocks(b.address(), [1], [1], "warm", timeout_s=10)
+    stuck = threading.Event()
+    monkeypatch.setattr(b, "_receive_payload", lambda *_: stuck.wait(10))
+    t0 = time.perf_counter()
+    with pytest.raises(TransferError, match="timed out"):
+        a.write_blocks(b.address(), list(range(30)), list(range(30)), "stuck", timeout_s=1.0)
+    assert time.perf_counter() - t0 < 3
+    stuck.set()
+    monkeypatch.undo()
+    a.write_blocks(b.address(), [6], [6], "after", timeout_s=10)
+    assert torch.equal(b.kv_cache[:, :, 6], a.kv_cache[:, :, 6])

@@ -1,7 +1,8 @@
 """Acceptance on local Ray (CPU, default model): prefill and decode actors with KV moved between them.
 
-Clusters: tcp 1P+2D (outputs, local prefill, 32 concurrent, cancel, dead/stopped decode worker) and
-nixl 1P+1D (outputs). Every output is compared with a single engine's greedy output in this process.
+Clusters: tcp 1P+2D (outputs, local prefill, 32 concurrent, cancel, dead/stopped decode worker), and
+nixl and nccl (gloo on CPU) 1P+1D (outputs). Every output is compared with a single engine's greedy
+output in this process.
 """
 
 from __future__ import annotations
@@ -113,11 +114,14 @@ def test_a_prefill_worker_that_is_gone_is_a_transfer_error_and_frees_the_reserve
     wait_until(lambda: used_blocks(d0) == [0])
 
 
-@pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 missing")
-def test_nixl_outputs_equal_single_engine(ray_cluster, expected):
-    prefill, (d0,) = start_cluster("nixl", 1, "nixl")
+@pytest.mark.parametrize("transport", [
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl-cu12 missing")),
+    "nccl",  # torch.distributed send/recv; gloo between these CPU caches
+])
+def test_other_transports_outputs_equal_single_engine(ray_cluster, expected, transport):
+    prefill, (d0,) = start_cluster(transport, 1, transport)
     try:
-        check_outputs(d0, "nixl-p0", expected, "nixl")
+        check_outputs(d0, f"{transport}-p0", expected, transport)
         assert used_blocks(prefill, d0) == [0, 0]
     finally:
         for w in (prefill, d0):
