@@ -119,6 +119,10 @@ def test_a_prefill_worker_that_is_gone_is_a_transfer_error_and_frees_the_reserve
     "nccl",  # torch.distributed send/recv; gloo between these CPU caches
 ])
 def test_other_transports_outputs_equal_single_engine(ray_cluster, expected, transport):
+    if transport == "nccl":  # not one of the CPU backends: the shortest and longest prompts suffice
+        prompts, outputs = expected
+        ends = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[:: len(prompts) - 1]
+        expected = [prompts[i] for i in ends], [outputs[i] for i in ends]
     prefill, (d0,) = start_cluster(transport, 1, transport)
     try:
         check_outputs(d0, f"{transport}-p0", expected, transport)
