@@ -97,7 +97,8 @@ class NcclTransport(TcpTransport):
         new = pair is None
         if pair is None:
             pair = self._sending[str(peer["id"])] = _PairGroup(f"{self.id}/{next(self._generations)}")
-        return {"group": pair.key, "new": new, "collective": self.collective}
+        # Both ends split the payload by the sender's piece size: a send and its receive must match.
+        return {"group": pair.key, "new": new, "collective": self.collective, "piece_bytes": self.piece_bytes}
 
     def _send_payload(self, sock: socket.socket, header: dict[str, Any], peer: dict[str, Any],
                       runs: list[BlockRun], spans: list[tuple[int, int]], deadline: Deadline) -> None:
@@ -139,7 +140,7 @@ class NcclTransport(TcpTransport):
             group = self._receiving[key]
             dst = _block_ids(header["runs"], self.kv_cache.device)
             with _on_device(self.kv_cache):
-                for layers in _pieces(self.kv_cache, len(dst), self.piece_bytes):
+                for layers in _pieces(self.kv_cache, len(dst), int(header["piece_bytes"])):
                     part = self.kv_cache[layers]
                     staging = torch.empty((part.shape[0], 2, len(dst), *part.shape[3:]), dtype=part.dtype,
                                           device=part.device)
