@@ -123,8 +123,8 @@ class NcclTransport(TcpTransport):
 
     # ---- receiving ----
     def _check_payload(self, header: dict[str, Any]) -> str | None:
-        if header.get("collective") != self.collective:
-            return (f"collective mismatch: the sender's cache uses {header.get('collective')}, "
+        if header["collective"] != self.collective:
+            return (f"collective mismatch: the sender's cache uses {header['collective']}, "
                     f"this receiver's {self.collective} (both caches on GPU, or both on CPU)")
         if not header["new"] and header["group"] not in self._receiving:
             return f"unknown pair group {header['group']} (dropped after a failure); the next transfer makes one"

@@ -126,6 +126,9 @@ class TcpTransport(KVTransport):
             raise TransferError("no KV cache registered on the sending side")
         runs = coalesce_runs(src_block_ids, dst_block_ids)
         where = f"transfer {request_id} to {peer.get('host')}:{peer.get('port')}"
+        if peer.get("backend", self.backend) != self.backend:
+            raise TransferError(f"{where}: backend mismatch: the sender speaks {self.backend}, "
+                                f"the receiver {peer['backend']}")
         t0 = time.perf_counter()
         try:
             num_bytes = self._send(peer, runs, request_id, Deadline(timeout_s))
@@ -155,7 +158,7 @@ class TcpTransport(KVTransport):
         assert self.kv_cache is not None
         layout = CacheLayout.of(self.kv_cache)
         header = {"request_id": request_id, "runs": [[r.dst_start, r.num_blocks] for r in runs],
-                  "layout": list(layout), **self._payload_fields(peer)}
+                  "layout": list(layout), "backend": self.backend, **self._payload_fields(peer)}
         spans = [span for run in runs for span in layout.run_spans(run.src_start, run.num_blocks)]
         with _blocking(socket.create_connection((peer["host"], int(peer["port"])), timeout=deadline.seconds)) as sock:
             _send_all(sock, [_frame(header)], deadline)
@@ -249,6 +252,8 @@ class TcpTransport(KVTransport):
             conn.close()
 
     def _check_header(self, header: dict[str, Any]) -> str | None:
+        if header.get("backend") != self.backend:  # the payload would travel a way this end does not read
+            return f"backend mismatch: the sender speaks {header.get('backend')}, the receiver {self.backend}"
         receiver = CacheLayout.of(self.kv_cache) if self.kv_cache is not None else None
         return (layout_error(receiver, CacheLayout(*header["layout"]), header["runs"])
                 or self._check_payload(header))

@@ -259,6 +259,22 @@ def test_nccl_pair_group_is_kept_and_one_dropped_after_a_failure_is_made_again(n
     assert b.kv_cache[:, :, 3].abs().sum() == 0
 
 
+def test_a_peer_of_another_backend_is_refused_with_the_reason(nccl_pair):
+    a, b = nccl_pair
+    tcp = TcpTransport(same_host_copy=False)
+    tcp.register(torch.randn(SHAPE))
+    try:
+        with pytest.raises(TransferError, match="backend mismatch: the sender speaks tcp, the receiver nccl"):
+            tcp.write_blocks(b.address(), [1], [1], "r", timeout_s=5)
+        with pytest.raises(TransferError, match="backend mismatch: the sender speaks tcp, the receiver nccl"):
+            tcp.write_blocks({**b.address(), "backend": "tcp"}, [1], [1], "r", timeout_s=5)  # the receiver's check
+        with pytest.raises(TransferError, match="backend mismatch: the sender speaks nccl, the receiver tcp"):
+            a.write_blocks(tcp.address(), [1], [1], "r", timeout_s=5)
+    finally:
+        tcp.close()
+    assert b.kv_cache.abs().sum() == 0
+
+
 def test_nccl_receiver_that_never_posts_its_receive_times_out_the_send(nccl_pair, monkeypatch):
     a, b = nccl_pair
     a.write_blocks(b.address(), [1], [1], "warm", timeout_s=10)
