@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import signal
 import sys
 import threading
@@ -47,6 +48,9 @@ def apply_flags(config: ClusterConfig, args: argparse.Namespace) -> ClusterConfi
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    # ``kill -USR1 <pid>`` prints every thread's stack to stderr: how to see where a stuck serve is stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
     from cluster.launcher import Launcher, say
     from router.app import RouterConfig, create_app
     from router.worker_client import RayWorkerClient
@@ -64,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
                               config.router.policy_config(), config.router.approx_ttl_s)
         app = create_app(router, RayWorkerClient(config.ray.namespace))
         server = uvicorn.Server(uvicorn.Config(app, host=config.router.host, port=config.router.port,
-                                               log_level="warning"))
+                                               log_level="warning",
+                                               timeout_graceful_shutdown=config.router.shutdown_grace_s))
         url = f"http://{config.router.host}:{config.router.port}"
         threading.Thread(target=_announce, args=(server, url, say), daemon=True).start()
         try:

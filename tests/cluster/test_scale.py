@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster.test_serve import process_group_alive
+from tests.cluster.processes import stop_group
 from tests.router.serve import free_port
 
 CONFIG = """
@@ -67,12 +66,8 @@ def serve(tmp_path_factory) -> Iterator[Serve]:
             time.sleep(0.5)
         yield served
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=90)
-        deadline = time.monotonic() + 30
-        while process_group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert rc == 0 and not process_group_alive(proc.pid), served.text()
+        stopped = stop_group(proc, dump_stacks=True)
+        assert stopped == (0, False), served.text()
 
 
 @dataclass

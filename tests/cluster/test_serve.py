@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,16 +13,9 @@ import httpx
 import openai
 import pytest
 
+from tests.cluster.processes import stop_group
 from tests.router.serve import free_port
 from workers.sampling_params import SamplingParams
-
-
-def process_group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.slow
@@ -64,13 +56,9 @@ def test_serve_answers_then_stops_everything_it_started(make_engine, tmp_path):
                                text=True, timeout=60, check=True).stdout
         assert "decode-0" in table and "prefill-0" in table
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=90)
-    assert rc == 0, open(tmp_path / "serve.log").read()
-    deadline = time.monotonic() + 30
-    while process_group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not process_group_alive(proc.pid), "processes of tandem serve outlived it"
+        stopped = stop_group(proc, dump_stacks=True)
+    assert stopped.rc == 0, open(tmp_path / "serve.log").read()
+    assert not stopped.orphans, "processes of tandem serve outlived it"
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=1)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster.test_serve import process_group_alive
+from tests.cluster.processes import stop_group
 from tests.router.serve import free_port
 from workers.sampling_params import SamplingParams
 
@@ -44,18 +43,6 @@ def start_node(log: Path, *args: str) -> subprocess.Popen[bytes]:
     ports = ["--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port())]
     return subprocess.Popen([RAY, "start", "--block", "--object-store-memory", str(200 << 20), *ports, *args],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=ENV)
-
-
-def stop(proc: subprocess.Popen[bytes], timeout_s: float = 90) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=timeout_s)
-    finally:
-        deadline = time.monotonic() + 30
-        while process_group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if process_group_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def ray_nodes(address: str) -> dict[str, dict[str, float]]:
@@ -87,7 +74,7 @@ def two_nodes(tmp_path_factory) -> Iterator[str]:
         yield address
     finally:
         for proc in reversed(nodes):
-            stop(proc)
+            stop_group(proc)
         # `ray start` points later `ray.init()` calls on this machine at its cluster; it is gone now.
         current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
         if current.exists() and current.read_text().strip().endswith(address.split(":")[1]):
@@ -121,9 +108,9 @@ def test_prefill_on_one_node_decode_on_the_other_kv_crosses(two_nodes, make_engi
         assert sent and float(sent[1]) > 0, metrics
         assert re.search(r'^tandem_router_routes_total{prefill="remote"} 2\.0$', metrics, re.M), metrics
     finally:
-        rc = stop(serve)
+        stopped = stop_group(serve, dump_stacks=True)
     text = log.read_text()
-    assert rc == 0, text
+    assert stopped.rc == 0, text
     placed = dict(re.findall(r"(prefill-0|decode-0) ready \(pid \d+, Ray node (\w+)\)", text))
     nodes = ray_nodes(two_nodes)  # the nodes outlive tandem serve: it joined them, it did not start them
     node_of = {w: next(n for n in nodes if n.startswith(prefix)) for w, prefix in placed.items()}

@@ -48,8 +48,9 @@ async def converge(consumer: KVEventConsumer, worker_id: str, want: set[int], ti
     deadline = time.monotonic() + timeout_s
     while True:
         await directory.poll()
-        load = directory.workers[worker_id].load
-        await consumer.sync({worker_id: (load.kv_events_epoch, load.kv_events_seq)})
+        worker = directory.workers.get(worker_id)  # None until its first heartbeat lands (slow machines)
+        if worker is not None:
+            await consumer.sync({worker_id: (worker.load.kv_events_epoch, worker.load.kv_events_seq)})
         got = consumer.index.blocks_of(worker_id)
         if got == want or time.monotonic() > deadline:
             return got
