@@ -84,7 +84,7 @@ class RouterSection(_Strict):
     local_prefill_min_overlap: float = Field(default=0.8, ge=0)
     prefix_affinity: float = Field(default=0.25, ge=0)
     approx_ttl_s: float = Field(default=2.0, gt=0)
-    shutdown_grace_s: float = Field(default=20.0, ge=0)  # on SIGTERM, in-flight streams get this long
+    shutdown_grace_s: int = Field(default=20, ge=0)  # on SIGTERM, in-flight streams get this many seconds
 
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(self.policy, self.prefill_weight, self.load_weight, self.local_prefill_max_tokens,

@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels import torch_paged
+from kernels import torch_decode, torch_paged
 
 BACKENDS = ("torch", "triton")
 
@@ -49,12 +49,12 @@ def _triton() -> ModuleType:
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, *,
                            scale: float, backend: str | None = None) -> Tensor:
-    """See ``torch_paged.paged_decode_attention_torch`` for shapes."""
+    """See ``torch_decode.paged_decode_attention_torch`` for shapes."""
     if resolve_backend(q.device, backend) == "triton":
         return _triton().paged_decode_attention(
             q, k_cache, v_cache, block_tables, seq_lens, scale=scale
         )
-    return torch_paged.paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+    return torch_decode.paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,

@@ -1,10 +1,9 @@
-"""Vectorized torch path of paged attention: the engine's backend on CPU.
+"""Vectorized torch path of paged prefill attention and KV stores: the engine's backend on CPU
+(decode is in ``kernels.torch_decode``).
 
 No Python loop over sequences: K/V are gathered through the block tables for a whole group of
-sequences at once and one ``scaled_dot_product_attention`` call does the group, with a mask for
-lengths (and causality in prefill). Groups hold sequences of similar length, because every
-sequence in a call is padded to the longest: one 2,000-token sequence among 200-token ones would
-otherwise make each of them gather 2,000 tokens.
+sequences of similar length (``length_groups``) and one ``scaled_dot_product_attention`` call does
+the group, with a mask for lengths and causality.
 """
 
 from __future__ import annotations
@@ -12,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kernels.length_groups import length_groups
 
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -23,50 +24,6 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) ->
     ids = block_tables[:, :num_blocks].reshape(-1).long()
     gathered = torch.index_select(cache.view(cache.shape[0], -1), 0, ids)  # [B * nb, bs * KVH * D]
     return gathered.view(batch, num_blocks * block_size, *cache.shape[2:]).transpose(1, 2)
-
-
-def length_groups(seq_lens: list[int], ratio: float = 2.0, floor: int = 64) -> list[list[int]]:
-    """Indices grouped so that, within a group, the longest is at most ``ratio`` x the shortest
-    (lengths under ``floor`` count as ``floor``: short sequences are cheap to pad)."""
-    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and seq_lens[i] <= ratio * max(seq_lens[groups[-1][0]], floor):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-def paged_decode_attention_torch(
-    q: torch.Tensor,  # [B, H, D]
-    k_cache: torch.Tensor,  # [num_blocks, bs, KVH, D]
-    v_cache: torch.Tensor,  # [num_blocks, bs, KVH, D]
-    block_tables: torch.Tensor,  # [B, M] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    *,
-    scale: float,
-) -> torch.Tensor:
-    groups = length_groups(seq_lens.tolist())
-    if len(groups) == 1:
-        return _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    out = torch.empty_like(q)
-    for group in groups:
-        idx = torch.tensor(group, device=q.device)
-        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale)
-    return out
-
-
-def _decode_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                  scale: float) -> Tensor:
-    max_len = int(seq_lens.max())
-    k = _gather_kv(k_cache, block_tables, max_len)
-    v = _gather_kv(v_cache, block_tables, max_len)
-    mask = torch.arange(k.shape[2], device=q.device) < seq_lens.unsqueeze(1)  # [B, L]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-    )  # [B, H, 1, D]
-    return out.squeeze(2)
 
 
 def paged_prefill_attention_torch(

@@ -5,13 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.length_groups import length_groups
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
-from kernels.torch_paged import (
-    length_groups,
-    paged_decode_attention_torch,
-    paged_prefill_attention_torch,
-    store_kv_torch,
-)
+from kernels.torch_decode import paged_decode_attention_torch
+from kernels.torch_paged import paged_prefill_attention_torch, store_kv_torch
 
 
 def make_cache(num_blocks=600, bs=16, kvh=2, d=32, seed=0):
@@ -34,6 +31,24 @@ def test_decode_matches_reference(seq_lens):
     q = torch.randn(len(seq_lens), 6, 32)
     got = paged_decode_attention_torch(q, kc, vc, bt, sl, scale=0.2)
     assert (got - paged_decode_attention_ref(q, kc, vc, bt, sl, scale=0.2)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kv_heads", [1, 3, 6])  # MQA, GQA, MHA under 6 query heads
+def test_decode_reuses_its_plan_across_layers_and_rebuilds_it_for_new_tables(kv_heads):
+    seq_lens = [700, 20, 5, 64, 1500]
+    layers = [make_cache(kvh=kv_heads, seed=s) for s in range(3)]
+    bt = tables(seq_lens, 16, 600)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    for kc, vc in layers:  # as a step's layers call it: the same table tensors, other caches
+        qkv = torch.randn(len(seq_lens), 6 + kv_heads, 32)
+        q = qkv[:, :6]  # a strided view, as the model passes it
+        got = paged_decode_attention_torch(q, kc, vc, bt, sl, scale=0.2)
+        assert (got - paged_decode_attention_ref(q, kc, vc, bt, sl, scale=0.2)).abs().max() < 1e-5
+    # The next step: new tensors (longer sequences, other blocks) are never served the old plan.
+    bt2, sl2 = tables([n + 1 for n in seq_lens], 16, 600, seed=3), sl + 1
+    q = torch.randn(len(seq_lens), 6, 32)
+    got = paged_decode_attention_torch(q, *layers[0], bt2, sl2, scale=0.2)
+    assert (got - paged_decode_attention_ref(q, *layers[0], bt2, sl2, scale=0.2)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("q_lens, seq_lens", [([1, 5, 17, 100], [1, 16, 40, 100]), ([32, 7, 300], [1500, 7, 420])])
