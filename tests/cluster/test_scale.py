@@ -68,6 +68,7 @@ def serve(tmp_path_factory) -> Iterator[Serve]:
     finally:
         stopped = stop_group(proc, dump_stacks=True)
         assert stopped == (0, False), served.text()
+        assert "graceful shutdown exceeded" not in served.text(), served.text()  # no stream was left hanging
 
 
 @dataclass
@@ -145,6 +146,7 @@ def test_decode_1_to_2_to_1_under_steady_load_fails_no_request(serve):
         load.stop.set()
         for t in threads:
             t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a request never finished"
     assert load.failures == [], load.failures
     log = serve.text()
     drained = re.search(r"decode-1 drained in [\d.]+s: (\d+) in-flight and (\d+) late requests finished", log)

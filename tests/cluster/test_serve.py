@@ -58,6 +58,7 @@ def test_serve_answers_then_stops_everything_it_started(make_engine, tmp_path):
     finally:
         stopped = stop_group(proc, dump_stacks=True)
     assert stopped.rc == 0, open(tmp_path / "serve.log").read()
+    assert "graceful shutdown exceeded" not in open(tmp_path / "serve.log").read()  # no stream left hanging
     assert not stopped.orphans, "processes of tandem serve outlived it"
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=1)
