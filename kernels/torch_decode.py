@@ -13,6 +13,7 @@ so they are built once per step (the ``DecodePlan``) and reused by every layer.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -69,16 +70,20 @@ def _group_plan(rows: Tensor | None, tables: Tensor, lens: Tensor, block_size: i
     return _Group(rows, block_ids.reshape(-1), neg_mask, v_rows, v_offsets)
 
 
-_last_plan: DecodePlan | None = None  # the current step's (all layers call with the same tensors)
+class _LastPlan(threading.local):
+    plan: DecodePlan | None = None
+
+
+# Per thread (each engine steps on its own thread): the plan of the step it is in. Callers pass new
+# table tensors whenever the tables change, as the model runner does every step.
+_last = _LastPlan()
 
 
 def _plan_for(block_tables: Tensor, seq_lens: Tensor, block_size: int, kv_heads: int, num_heads: int) -> DecodePlan:
-    global _last_plan
-    plan = _last_plan  # one read: another thread may swap it, never half-way
+    plan = _last.plan
     if (plan is None or plan.block_tables is not block_tables or plan.seq_lens is not seq_lens
             or plan.shape != (block_size, kv_heads, num_heads)):
-        plan = build_plan(block_tables, seq_lens, block_size, kv_heads, num_heads)
-        _last_plan = plan
+        plan = _last.plan = build_plan(block_tables, seq_lens, block_size, kv_heads, num_heads)
     return plan
 
 
