@@ -2,7 +2,8 @@
 reading K and V once.
 
 - K: a sequence group's blocks are gathered with one ``index_select`` and scored by one ``bmm``
-  (each KV head is read once, whatever the number of query heads sharing it).
+  (one per KV head past ``BLOCK_DIAGONAL_MAX_KV_HEADS``); each KV head is read once, whatever the
+  number of query heads sharing it.
 - V is never gathered. The output is a weighted sum of V rows, which is exactly
   ``embedding_bag(mode="sum", per_sample_weights=probs)`` over the cache viewed as rows: fbgemm's
   fused gather-and-accumulate, one pass over V (half the bytes the gather-then-SDPA path moved).

@@ -4,16 +4,16 @@ stops everything it started."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.cluster.processes import stop_group
+from tests.cluster.processes import start_serve, stop_group, wait_ready
 from tests.router.serve import free_port
 from workers.sampling_params import SamplingParams
 
@@ -21,22 +21,10 @@ from workers.sampling_params import SamplingParams
 @pytest.mark.slow
 def test_serve_answers_then_stops_everything_it_started(make_engine, tmp_path):
     port = free_port()
-    log = open(tmp_path / "serve.log", "w+")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    proc = start_serve(tmp_path / "serve.log", "--port", str(port))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, open(tmp_path / "serve.log").read()
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "not ready in 300 s"
-            time.sleep(0.5)
+        wait_ready(proc, url, tmp_path / "serve.log")
         assert httpx.get(f"{url}/health").status_code == 200
         assert f"ready: {url}" in open(tmp_path / "serve.log").read()
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -62,6 +50,45 @@ def test_serve_answers_then_stops_everything_it_started(make_engine, tmp_path):
     assert not stopped.orphans, "processes of tandem serve outlived it"
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=1)
+
+
+@pytest.mark.slow
+def test_sigterm_cuts_a_stream_still_running_after_the_shutdown_grace(tmp_path):
+    port = free_port()
+    (tmp_path / "cluster.yaml").write_text(f"router: {{port: {port}, shutdown_grace_s: 1}}\n")
+    proc = start_serve(tmp_path / "serve.log", "-c", str(tmp_path / "cluster.yaml"))
+    url = f"http://127.0.0.1:{port}"
+    outcome: list[str] = []
+
+    def long_stream() -> None:  # far longer than the grace: 2,000 tokens, no early stop
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Count:", max_tokens=2000,
+                                               stream=True, temperature=0, extra_body={"ignore_eos": True})
+            for _ in stream:
+                if not outcome:
+                    outcome.append("streaming")
+            outcome.append("finished")
+        except Exception as e:  # noqa: BLE001 - the cut, as the client sees it
+            outcome.append(type(e).__name__)
+
+    try:
+        wait_ready(proc, url, tmp_path / "serve.log")
+        client = threading.Thread(target=long_stream, daemon=True)
+        client.start()
+        deadline = time.monotonic() + 120
+        while not outcome:
+            assert time.monotonic() < deadline and client.is_alive(), "no first chunk"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+    finally:
+        stopped = stop_group(proc, dump_stacks=True)
+    text = (tmp_path / "serve.log").read_text()
+    assert stopped == (0, False), text
+    assert time.monotonic() - t0 < 60, text  # the grace, then the usual stop; not the stream's length
+    assert "graceful shutdown exceeded" in text, text
+    client.join(timeout=30)
+    assert not client.is_alive() and outcome[0] == "streaming" and outcome[-1] != "finished", outcome
 
 
 def test_serve_refuses_a_bad_config_in_one_line(tmp_path):
