@@ -11,9 +11,11 @@ sharing one Redis with requests alternating between them. Prefill on the decode 
 off so every prompt is routed to a prefill worker. Hit tokens are the prefill workers' prefix-cache
 hits; the ideal is every request but the first of each system prompt reusing its full blocks.
 
-overhead: TTFT of a short prompt through the router over HTTP against calling the decode service
-directly (same process, same engines, one request at a time), and ``PrefixIndex.match`` on an
-8K-token prompt with 16 workers.
+overhead: TTFT of a short prompt through the router over HTTP against calling the decode worker
+directly, one request at a time. As ``tandem serve`` deploys it, the decode worker is a Ray actor
+(a random-weight 2-layer model, so that the router's share is not lost in the step) and the router
+reaches it through Ray; the direct path calls the same actor the same way from this process. Also
+``PrefixIndex.match`` on an 8K-token prompt with 16 workers.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import httpx  # noqa: E402
 
@@ -206,15 +209,43 @@ def noop_sse_server() -> AppServer:
     return serve_app(app)
 
 
+def tiny_model_dir(tokenizer: Tokenizer, path: Path) -> str:
+    """A random-weight 2-layer Llama as an HF directory (a fast step, so the router's share shows)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.hf.save_pretrained(path)
+    return str(path)
+
+
 def run_overhead(args: argparse.Namespace) -> None:
+    import tempfile
+
+    import ray
+
+    from router.worker_client import RayWorkerClient
+    from workers.actors import start_decode_worker, stream_generate
+    from workers.config import WorkerResources
+
     tokenizer = Tokenizer.load(prepared_source(resolve_model_source(None)))
     rng = random.Random(1)
-    with EmbeddedRedis() as redis_url:
-        cluster = Cluster(redis_url, tokenizer, 512, model=tiny_model())  # a fast step: the overhead shows
-        router = serve_router(RouterConfig(redis_url, cluster.name, policy=PolicyConfig(local_prefill_max_tokens=64)),
-                              cluster.client, tokenizer, min_workers=3)
+    # As deployed (``tandem serve``): the decode worker is a Ray actor in its own process, the router
+    # (in this process) reaches it through Ray. The direct path calls the same actor the same way.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with EmbeddedRedis() as redis_url, tempfile.TemporaryDirectory() as model_dir:
+        name = f"bench-{uuid.uuid4().hex[:6]}"
+        config = EngineConfig(model=tiny_model_dir(tokenizer, Path(model_dir)), num_kv_blocks=512, block_size=BS)
+        decode = start_decode_worker("d0", config, WorkerResources(num_cpus=1, torch_threads=1),
+                                     publish=PublishConfig(redis_url, name))
+        ray.get(decode.ready.remote())
+        router = serve_router(RouterConfig(redis_url, name, policy=PolicyConfig(local_prefill_max_tokens=64)),
+                              RayWorkerClient(ray.get_runtime_context().namespace), tokenizer)
         noop = noop_sse_server()
-        decode = cluster.decode["d0"]
         # As through the router (``stream_ttft``): 4 tokens, timed to the first chunk with text (a
         # random model's first token may be a partial UTF-8 character that shows no text yet).
         params = sampling_to_dict(SamplingParams(max_tokens=4, temperature=0.0))
@@ -223,7 +254,7 @@ def run_overhead(args: argparse.Namespace) -> None:
             prompt = [rng.randrange(3, 49152) for _ in range(32)]  # short: local prefill, no transfer
             t0 = time.perf_counter()
             ttft = None
-            async for chunk in decode.generate(GenerateRequest(uuid.uuid4().hex, prompt, params)):
+            async for chunk in stream_generate(decode, GenerateRequest(uuid.uuid4().hex, prompt, params)):
                 if ttft is None and chunk.text:
                     ttft = time.perf_counter() - t0
             return ttft if ttft is not None else time.perf_counter() - t0
@@ -237,19 +268,21 @@ def run_overhead(args: argparse.Namespace) -> None:
         assert child.stdin is not None and child.stdout is not None
         direct_calls: list[float] = []
         measured: dict[str, list[float]] = {}
+        loop = asyncio.new_event_loop()  # one loop for every direct call, as the router has its one
         try:
             for _ in range(args.repeats):
-                direct_calls.append(asyncio.run(direct()))
+                direct_calls.append(loop.run_until_complete(direct()))
                 child.stdin.write("go\n")
                 child.stdin.flush()
-                for name, seconds in json.loads(child.stdout.readline()).items():
-                    measured.setdefault(name, []).append(seconds)
+                for key, seconds in json.loads(child.stdout.readline()).items():
+                    measured.setdefault(key, []).append(seconds)
         finally:
             child.stdin.close()
             child.wait(timeout=30)
+            loop.close()
             router.stop()
             noop.stop()
-            cluster.close()
+            ray.shutdown()
     def added_ms(name: str) -> float:  # the median of per-round differences: rounds share the noise
         return statistics.median(r - d for r, d in zip(measured[name], direct_calls, strict=True)) * 1000
 
