@@ -1,8 +1,9 @@
 """The one entry point for attention: picks a backend per call.
 
-``backend=None`` means Triton for CUDA tensors and torch otherwise. The Triton backend
-(``kernels.triton_ops``) is imported on first use, once: a machine where Triton can't load still
-runs the torch path.
+``backend=None`` means Triton for CUDA tensors; on CPU, the compiled decode kernel (``cpu``: the
+C++ kernel for decode, torch for prefill and store_kv) where it builds, else torch. The Triton
+backend (``kernels.triton_ops``) is imported on first use, once: a machine where Triton can't load
+still runs the torch path; so does one where the C++ kernel can't be built.
 """
 
 from __future__ import annotations
@@ -15,16 +16,23 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels import torch_decode, torch_paged
+from kernels import cpu_kernel, torch_decode, torch_paged
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu")
 
 
 def resolve_backend(device: torch.device, backend: str | None) -> str:
     if backend is None:
-        return "triton" if device.type == "cuda" and _triton_ops() is not None else "torch"
+        if device.type == "cuda":
+            return "triton" if _triton_ops() is not None else "torch"
+        return "cpu" if device.type == "cpu" and cpu_kernel.available() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs CPU tensors, not {device.type}")
+        if not cpu_kernel.available():
+            raise ValueError(f"attention backend 'cpu' is not available: {cpu_kernel.unavailable_reason()}")
     if backend == "triton":
         if _triton_ops() is None:
             raise ValueError("attention backend 'triton' is not available: Triton kernels failed to import")
@@ -50,10 +58,13 @@ def _triton() -> ModuleType:
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, *,
                            scale: float, backend: str | None = None) -> Tensor:
     """See ``torch_decode.paged_decode_attention_torch`` for shapes."""
-    if resolve_backend(q.device, backend) == "triton":
+    chosen = resolve_backend(q.device, backend)
+    if chosen == "triton":
         return _triton().paged_decode_attention(
             q, k_cache, v_cache, block_tables, seq_lens, scale=scale
         )
+    if chosen == "cpu" and cpu_kernel.supports(q, k_cache):
+        return cpu_kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
     return torch_decode.paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
 
 

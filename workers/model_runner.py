@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+import kernels
 from workers.attention_metadata import AttentionMetadata
 from workers.model import LlamaModel
 from workers.request import Request
@@ -24,7 +25,9 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        self.attention_backend = attention_backend
+        # Resolved now: a bad name fails at start, and the CPU kernel is built (once per machine) before
+        # the first request rather than during it.
+        self.attention_backend = kernels.resolve_backend(self.device, attention_backend)
         # One tensor for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,

@@ -1,0 +1,108 @@
+"""The compiled CPU decode-attention kernel (``kernels/csrc/paged_decode_cpu.cpp``): built once per
+machine with torch's C++ extension tooling into the Tandem cache, loaded once per process.
+
+    if cpu_kernel.available():
+        out = cpu_kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+
+It needs a C++ compiler and a CPU with AVX2 and FMA (ATen's AVX2 vector types); where either is
+missing, or the build fails, ``available()`` is False (with the reason in ``unavailable_reason()``)
+and attention stays on the torch path. ``TANDEM_CPU_KERNEL=0`` turns it off (A/B benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.cpp"
+HEAD_DIMS = (16, 32, 64, 128, 256)
+MAX_HEADS_PER_KV = 16
+_NAME = "tandem_cpu_kernels"
+_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+
+
+def available() -> bool:
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    return _load()
+
+
+def supports(q: Tensor, k_cache: Tensor) -> bool:
+    """The shapes and dtypes the kernel takes (anything else stays on the torch path)."""
+    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.shape[-1] in HEAD_DIMS
+            and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= MAX_HEADS_PER_KV)
+
+
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, *,
+                           scale: float) -> Tensor:
+    """Shapes as ``torch_decode.paged_decode_attention_torch``; fp32 on CPU."""
+    return torch.ops.tandem_cpu.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables.contiguous(),
+                                                       seq_lens.contiguous(), scale)
+
+
+@functools.cache  # one build-or-load per process; None when loaded, else why not
+def _load() -> str | None:
+    if os.environ.get("TANDEM_CPU_KERNEL", "1") == "0":
+        return "turned off by TANDEM_CPU_KERNEL=0"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++) on PATH"
+    from torch.utils import cpp_extension
+
+    from workers.model_cache import cache_root
+
+    build_dir = cache_root() / "kernels" / f"{_NAME}-torch{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with _exclusive(build_dir), _ninja_on_path():
+            if not (build_dir / f"{_NAME}.so").exists():
+                log.warning("building the CPU decode-attention kernel into %s (once per machine, ~10-30 s)", build_dir)
+            cpp_extension.load(name=_NAME, sources=[str(SOURCE)], extra_cflags=_FLAGS, build_directory=str(build_dir),
+                               is_python_module=False, verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure leaves the torch path, said once
+        reason = f"the build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+        log.warning("CPU decode-attention kernel unavailable (%s); using the torch path", reason)
+        return reason
+    return None
+
+
+@contextlib.contextmanager
+def _exclusive(build_dir: Path) -> Iterator[None]:
+    """One builder per machine. torch's own lock file outlives a builder that was killed and would make
+    every later load wait forever; under this lock (released by the OS when its holder dies) a leftover
+    one is stale and is removed."""
+    with open(build_dir / ".tandem-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch's builder runs ``ninja`` from PATH; the PyPI package's binary sits in the venv, which a
+    process started as ``.venv/bin/python`` does not have on PATH."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{old}"
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old

@@ -1,0 +1,157 @@
+// Decode attention on CPU straight from the paged KV cache: one query token per sequence.
+//
+// One work item per (sequence, KV head): the query heads sharing that KV head are scored together,
+// so every K and V row of the sequence is read from memory once (the torch path copies K out of the
+// cache before scoring it, and its V pass reads each row once per query head). Scores are kept in
+// fp32 and softmaxed with the row max subtracted; items run on ATen's intra-op thread pool (the
+// calling thread's torch thread count). Written with ATen's own vector types (at::vec), as
+// PyTorch's CPU attention kernels are.
+//
+//   q [B, H, D] fp32, k_cache/v_cache [num_blocks, block_size, KVH, D] fp32, block_tables [B, M] int32,
+//   seq_lens [B] int32, scale  ->  out [B, H, D] fp32
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kMaxHeadsPerKV = 16;
+
+struct Shape {
+  int64_t num_heads, kv_heads, per_kv, block_size, max_blocks, row_stride;
+};
+
+// Scores of one (sequence, KV head): q_j . k_t * scale for every query head j of the group, token t.
+template <int64_t D>
+void score(const float* q_scaled, const float* k_cache, const int32_t* table, int64_t len, const Shape& s,
+           int64_t g, float* scores, int64_t stride) {
+  constexpr int64_t kChunks = D / Vec::size();
+  for (int64_t t = 0; t < len; ++t) {
+    const float* k = k_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * s.row_stride + g * D;
+    Vec kv[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) kv[c] = Vec::loadu(k + c * Vec::size());
+    for (int64_t j = 0; j < s.per_kv; ++j) {
+      const float* qj = q_scaled + j * D;
+      Vec acc = Vec::loadu(qj) * kv[0];
+      for (int64_t c = 1; c < kChunks; ++c) acc = at::vec::fmadd(Vec::loadu(qj + c * Vec::size()), kv[c], acc);
+      scores[j * stride + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+    }
+  }
+}
+
+// In place: scores -> exp(scores - max); returns 1 / sum.
+float softmax_numerators(float* x, int64_t len) {
+  const float max = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, len);
+  Vec sum(0.f);
+  int64_t t = 0;
+  for (; t + Vec::size() <= len; t += Vec::size()) {
+    Vec e = (Vec::loadu(x + t) - Vec(max)).exp_u20();
+    e.store(x + t);
+    sum = sum + e;
+  }
+  float total = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+  if (t < len) {
+    Vec e = (Vec::loadu(x + t, len - t) - Vec(max)).exp_u20();
+    e.store(x + t, len - t);
+    float tail[Vec::size()] = {};
+    e.store(tail, len - t);
+    for (int64_t i = 0; i < len - t; ++i) total += tail[i];
+  }
+  return 1.f / total;
+}
+
+// out_j = sum_t p_j[t] v_t, one block of tokens at a time so that each head's accumulator stays in registers.
+template <int64_t D>
+void weigh_values(const float* probs, int64_t stride, const float* v_cache, const int32_t* table, int64_t len,
+                  const Shape& s, int64_t g, const float* inv_sum, float* out) {
+  constexpr int64_t kChunks = D / Vec::size();
+  for (int64_t j = 0; j < s.per_kv; ++j) {
+    Vec acc[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) acc[c] = Vec(0.f);
+    const float* pj = probs + j * stride;
+    for (int64_t start = 0; start < len; start += s.block_size) {
+      const float* vb = v_cache + table[start / s.block_size] * s.block_size * s.row_stride + g * D;
+      const int64_t n = std::min(s.block_size, len - start);
+      for (int64_t i = 0; i < n; ++i) {
+        const Vec p(pj[start + i]);
+        const float* v = vb + i * s.row_stride;
+        for (int64_t c = 0; c < kChunks; ++c) acc[c] = at::vec::fmadd(p, Vec::loadu(v + c * Vec::size()), acc[c]);
+      }
+    }
+    const Vec scale(inv_sum[j]);
+    for (int64_t c = 0; c < kChunks; ++c) (acc[c] * scale).store(out + j * D + c * Vec::size());
+  }
+}
+
+template <int64_t D>
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+            const at::Tensor& seq_lens, float scale, at::Tensor& out) {
+  const int64_t batch = q.size(0);
+  const Shape s{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), k_cache.size(1), block_tables.size(1),
+                k_cache.size(2) * D};
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, q_scaled(s.per_kv * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / s.kv_heads, g = item % s.kv_heads;
+      const int64_t len = lens[b];
+      TORCH_CHECK(len > 0 && len <= s.max_blocks * s.block_size, "sequence length ", len, " out of range");
+      const float* qg = qp + (b * s.num_heads + g * s.per_kv) * D;
+      for (int64_t i = 0; i < s.per_kv * D; ++i) q_scaled[i] = qg[i] * scale;
+      const int64_t stride = (len + Vec::size() - 1) / Vec::size() * Vec::size();
+      scores.resize(s.per_kv * stride);
+      const int32_t* table = tables + b * s.max_blocks;
+      score<D>(q_scaled.data(), kp, table, len, s, g, scores.data(), stride);
+      float inv_sum[kMaxHeadsPerKV];
+      for (int64_t j = 0; j < s.per_kv; ++j) inv_sum[j] = softmax_numerators(scores.data() + j * stride, len);
+      weigh_values<D>(scores.data(), stride, vp, table, len, s, g, inv_sum, op + (b * s.num_heads + g * s.per_kv) * D);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "fp32 tensors only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head shapes disagree");
+  TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxHeadsPerKV, "too many query heads per KV head");
+  at::Tensor out = at::empty_like(q);
+  const float fscale = static_cast<float>(scale);
+  switch (q.size(2)) {  // the head size is a compile-time constant, so a row's vectors live in registers
+    case 16: attend<16>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); break;
+    case 32: attend<32>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); break;
+    case 64: attend<64>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); break;
+    case 128: attend<128>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); break;
+    case 256: attend<256>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); break;
+    default: TORCH_CHECK(false, "head_dim ", q.size(2), " not supported (16, 32, 64, 128, 256)");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

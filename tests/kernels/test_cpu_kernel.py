@@ -1,0 +1,75 @@
+"""The compiled CPU decode kernel (kernels/csrc/paged_decode_cpu.cpp) against the readable torch
+reference: GQA ratios 1, 3 and 8, every head size it takes, block sizes 16 and 32, shuffled block
+tables, lengths of 1, block multiples and one past them, and a long one; then through the engine,
+where it is the default on CPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels import cpu_kernel, paged_decode_attention, resolve_backend
+from kernels.reference import paged_decode_attention_ref
+from tests.kernels.test_triton_kernels import make_cache, shuffled_tables
+
+GQA = {1: (4, 4), 3: (9, 3), 8: (8, 1)}  # ratio -> (num_heads, num_kv_heads)
+CASES = list(itertools.product(GQA, cpu_kernel.HEAD_DIMS, [16, 32]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built() -> None:
+    if not cpu_kernel.available():  # no compiler or no AVX2: the torch path serves, as dispatch shows
+        pytest.skip(f"the CPU kernel cannot be built here: {cpu_kernel.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("gqa, head_dim, block_size", CASES, ids=[f"gqa{g}-d{d}-bs{b}" for g, d, b in CASES])
+def test_decode_matches_reference(gqa: int, head_dim: int, block_size: int) -> None:
+    num_heads, num_kv_heads = GQA[gqa]
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size, 77, 1000]
+    num_blocks = len(seq_lens) * -(-max(seq_lens) // block_size) + 8  # each row padded to the longest
+    kc, vc = make_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    tables = shuffled_tables(seq_lens, block_size, num_blocks)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), num_heads, head_dim) * 3  # peaked softmaxes too
+    got = cpu_kernel.paged_decode_attention(q, kc, vc, tables, lens, scale=head_dim**-0.5)
+    expected = paged_decode_attention_ref(q, kc, vc, tables, lens, scale=head_dim**-0.5)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_default_cpu_backend_and_fallbacks() -> None:
+    assert resolve_backend(torch.device("cpu"), None) == "cpu"
+    kc, vc = make_cache(8, 16, 2, 64, torch.float16)
+    tables, lens = shuffled_tables([20], 16, 8), torch.tensor([20], dtype=torch.int32)
+    q = torch.randn(1, 4, 64, dtype=torch.float16)
+    assert not cpu_kernel.supports(q, kc)  # fp16 stays on the torch path, with the same answer
+    got = paged_decode_attention(q, kc, vc, tables, lens, scale=0.125, backend="cpu")
+    expected = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, lens, scale=0.125)
+    assert (got.float() - expected).abs().max().item() < 1e-2
+
+
+def test_a_length_past_the_block_table_is_an_error_not_a_crash() -> None:
+    kc, vc = make_cache(8, 16, 1, 64, torch.float32)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernel.paged_decode_attention(torch.randn(1, 1, 64), kc, vc, tables, torch.tensor([33], dtype=torch.int32),
+                                          scale=1.0)
+
+
+def test_engine_greedy_output_with_the_cpu_kernel_equals_torch(default_model_and_tokenizer) -> None:
+    from tests.tiny_model import tiny_model
+    from workers.config import EngineConfig
+    from workers.engine import Engine
+    from workers.sampling_params import SamplingParams
+
+    model = tiny_model(seed=5, num_heads=6, num_kv_heads=2, head_dim=32)
+    prompts = [[1, 5, 9, 200, 3000], list(range(100, 141)), [7] * 17]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "cpu"):
+        engine = Engine(EngineConfig(num_kv_blocks=64, attention_backend=backend, prefill_chunk_size=16),
+                        model=model, tokenizer=default_model_and_tokenizer[1])
+        assert engine.runner.attention_backend == backend
+        outs[backend] = [r.token_ids for r in engine.generate(prompts, params)]
+    assert outs["cpu"] == outs["torch"]
