@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import faulthandler
+import os
 import signal
 import sys
 import threading
@@ -12,6 +14,10 @@ from typing import Any
 
 from cluster.config import ClusterConfig, ConfigError, load_config
 from workers.cluster_keys import ROLES
+
+# After SIGTERM the router gets its grace for in-flight streams; its own shutdown (cancelling what is
+# left, closing Redis) then has this long before serve stops the workers and exits regardless.
+SHUTDOWN_SLACK_S = 20.0
 
 
 def add_parser(sub: Any) -> None:
@@ -72,12 +78,17 @@ def run(args: argparse.Namespace) -> int:
                                                timeout_graceful_shutdown=config.router.shutdown_grace_s))
         url = f"http://{config.router.host}:{config.router.port}"
         threading.Thread(target=_announce, args=(server, url, say), daemon=True).start()
+        router_done = threading.Event()
+        threading.Thread(target=bounded_shutdown, daemon=True, args=(
+            server, router_done, config.router.shutdown_grace_s + SHUTDOWN_SLACK_S, launcher, say)).start()
         try:
             server.run()  # returns on Ctrl-C / SIGTERM after a graceful shutdown ...
         except (KeyboardInterrupt, SystemExit) as e:
             # ... and then re-raises the signal, which Ray's driver handler turns into sys.exit(signum).
             if isinstance(e, SystemExit) and e.code not in (signal.SIGTERM, signal.SIGINT):
                 raise
+        finally:
+            router_done.set()
         return 0 if server.started else 1
     finally:
         say("stopping")
@@ -89,3 +100,26 @@ def _announce(server: Any, url: str, say: Any) -> None:
         time.sleep(0.05)
     if server.started:
         say(f"ready: {url}  (OpenAI API under {url}/v1; Ctrl-C stops everything)")
+
+
+def bounded_shutdown(server: Any, router_done: threading.Event, limit_s: float, launcher: Any, say: Any,
+                      exit_process: Any = os._exit) -> None:
+    """Once a shutdown begins, it ends within ``limit_s``: past that, the router's pending tasks and every
+    thread's stack go to stderr (to find what hung), the workers and Redis are stopped, and the process
+    exits. An operator's SIGTERM must never leave a serve (or its workers) running."""
+    while not server.should_exit:
+        if router_done.wait(0.2):
+            return
+    if router_done.wait(limit_s):
+        return  # the normal path: the main thread stops the workers
+    say(f"shutdown still not done after {limit_s:.0f} s; what is pending:")
+    try:
+        loop = server.servers[0].get_loop() if server.servers else None
+        for task in asyncio.all_tasks(loop) if loop is not None else ():  # read from another thread: diagnostics only
+            task.print_stack(file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - the dump is best effort; the exit is not
+        print(f"(could not list the router's tasks: {e!r})", file=sys.stderr)
+    faulthandler.dump_traceback(all_threads=True)
+    say("stopping")
+    launcher.stop()
+    exit_process(0)

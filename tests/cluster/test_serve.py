@@ -98,3 +98,19 @@ def test_serve_refuses_a_bad_config_in_one_line(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == "tandem serve: config error: decode.replicaz: unknown key"
+
+
+def test_a_stuck_router_shutdown_still_stops_the_workers_and_exits():
+    from types import SimpleNamespace
+
+    from cluster.serve_cmd import bounded_shutdown
+
+    events: list[str] = []
+    server = SimpleNamespace(should_exit=True, servers=[])
+    launcher = SimpleNamespace(stop=lambda: events.append("workers stopped"))
+    bounded_shutdown(server, threading.Event(), 0.2, launcher, events.append, lambda rc: events.append(f"exit {rc}"))
+    assert events[0].startswith("shutdown still not done") and events[-2:] == ["workers stopped", "exit 0"]
+    done = threading.Event()
+    done.set()  # the normal path: nothing is stopped twice
+    bounded_shutdown(server, done, 0.2, launcher, events.append, lambda rc: events.append("exit again"))
+    assert events.count("workers stopped") == 1 and "exit again" not in events
