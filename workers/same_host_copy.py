@@ -102,6 +102,7 @@ def _split_bytes(table: np.ndarray, n: int) -> list[np.ndarray]:
 
 
 def _write_spans(pid: int, local_base: int, remote_base: int, table: np.ndarray) -> int:
+    assert _writev is not None  # write_to_process checked
     # struct iovec is {void *base; size_t len}: two 64-bit words; numpy builds thousands at once.
     local = np.empty((len(table), 2), dtype=np.uint64)
     remote = np.empty_like(local)
