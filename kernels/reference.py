@@ -38,8 +38,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     # query i sits at position kv_len - q_len + i and sees keys at positions <= it
-    pos_q = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
-    pos_k = torch.arange(kv_len).unsqueeze(0)
+    pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device).unsqueeze(1)
+    pos_k = torch.arange(kv_len, device=q.device).unsqueeze(0)
     scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
 

@@ -89,7 +89,8 @@ def test_cache_beyond_65536_blocks():
     high = torch.tensor([[69_999, 65_536, 66_001], [0, 68_123, 2]], dtype=torch.int32, device=DEVICE)
     seq_lens = torch.tensor([40, 35], dtype=torch.int32, device=DEVICE)
     # write the sequences' tokens through store_kv itself
-    slots = torch.cat([high[s, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+    slots = torch.cat([high[s, torch.arange(n, device=DEVICE) // block_size].long() * block_size
+                       + torch.arange(n, device=DEVICE) % block_size
                        for s, n in enumerate(seq_lens.tolist())])
     k = torch.randn(len(slots), 1, head_dim).to(DEVICE, torch.float16)
     v = torch.randn(len(slots), 1, head_dim).to(DEVICE, torch.float16)
