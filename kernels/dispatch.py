@@ -69,11 +69,13 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,
-                            seq_lens: Tensor, *, scale: float, backend: str | None = None) -> Tensor:
-    """See ``torch_paged.paged_prefill_attention_torch`` for shapes."""
+                            seq_lens: Tensor, *, scale: float, backend: str | None = None,
+                            max_query_len: int | None = None) -> Tensor:
+    """See ``torch_paged.paged_prefill_attention_torch`` for shapes. ``max_query_len``: the longest
+    sequence's query length if the caller knows it (saves Triton a GPU-to-host sync)."""
     if resolve_backend(q.device, backend) == "triton":
         return _triton().paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale, max_query_len=max_query_len
         )
     return torch_paged.paged_prefill_attention_torch(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale

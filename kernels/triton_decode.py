@@ -7,7 +7,7 @@ query-head group (GQA) and runs an online softmax over its slice of the sequence
 normalized partial output and its log-sum-exp. Phase 2, grid (seq, head): merges the splits.
 
     sequence of 100 tokens, 2 splits of 64:   split 0: tokens 0..63   split 1: tokens 64..99
-    out = sum_s exp(lse_s - LSE) * out_s,     LSE = log sum_s exp(lse_s)
+    out = sum_s 2^(lse_s - LSE) * out_s,     LSE = log2 sum_s 2^lse_s   (base 2: see triton_tiles)
 
 Key positions in a tile map to cache rows through the block table (block_size 16):
     position n -> block_tables[seq, n // 16], row n % 16
@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_tiles import online_softmax_update, tile_scores
+from kernels.host_math import cdiv, multiprocessor_count, next_power_of_2
+from kernels.triton_tiles import LOG2E, online_softmax_update, tile_scores
 
 BLOCK_N = 32  # key positions per tile
 
@@ -33,8 +34,8 @@ def _decode_split_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     part_out_ptr,  # [B, H, S, D] float32, each split's normalized output
-    part_lse_ptr,  # [B, H, S] float32, each split's log-sum-exp (-inf if empty)
-    scale,
+    part_lse_ptr,  # [B, H, S] float32, each split's log2-sum-exp2 (-inf if empty)
+    scale,  # softmax scale times log2(e)
     tokens_per_split,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -77,7 +78,7 @@ def _decode_split_kernel(
 
     has_tokens = l_i > 0
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
-    lse = tl.where(has_tokens, m_i + tl.log(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+    lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
     part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD] index into [B, H, S]
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=head_ok[:, None])
     tl.store(part_lse_ptr + part, lse, mask=head_ok)
@@ -100,7 +101,7 @@ def _decode_reduce_kernel(
     d = tl.arange(0, HEAD_DIM)
     base = (seq * NUM_HEADS + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, 0))  # split 0 always holds token 0, so the max is finite
+    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 always holds token 0, so the max is finite
     w = w / tl.sum(w, 0)
     parts = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=(s < NUM_SPLITS)[:, None],
                     other=0.0)
@@ -108,14 +109,15 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU (about 4 per SM) without tiles shorter than BLOCK_N."""
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, device: torch.device,
+                      block_n: int = BLOCK_N) -> int:
+    """Enough programs to fill the GPU (about 4 per SM) without tiles shorter than ``block_n``."""
     if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 4 * multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = 8  # the interpreter: few programs, quick tests
     splits = max(1, target // max(1, num_seqs * num_kv_heads))
-    return max(1, min(splits, triton.cdiv(max_tokens, BLOCK_N)))
+    return max(1, min(splits, cdiv(max_tokens, block_n)))
 
 
 def paged_decode_attention(
@@ -127,31 +129,35 @@ def paged_decode_attention(
     *,
     scale: float,
     num_splits: int | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    assert head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16, "head_dim must be a power of 2 >= 16"
+    assert head_dim == next_power_of_2(head_dim) and head_dim >= 16, "head_dim must be a power of 2 >= 16"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     group = num_heads // num_kv_heads
     # The block table's width bounds every sequence: no host sync on seq_lens.
     max_tokens = block_tables.shape[1] * block_size
-    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, max_tokens, q.device)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, splits), BLOCK_N) * BLOCK_N
-    splits = triton.cdiv(max_tokens, tokens_per_split)
+    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, max_tokens, q.device, block_n)
+    tokens_per_split = cdiv(cdiv(max_tokens, splits), block_n) * block_n
+    splits = cdiv(max_tokens, tokens_per_split)
     part_out = torch.empty(num_seqs, num_heads, splits, head_dim, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(num_seqs, num_heads, splits, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale, tokens_per_split,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale * LOG2E, tokens_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        NUM_HEADS=num_heads, NUM_SPLITS=splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+        NUM_HEADS=num_heads, NUM_SPLITS=splits, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+        NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=next_power_of_2(splits), HEAD_DIM=head_dim,
     )
     return out

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import next_power_of_2
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -55,5 +57,5 @@ def store_kv(
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-        BLOCK_SIZE=k_cache.shape[1], ROW=row, ROW_PAD=triton.next_power_of_2(row),
+        BLOCK_SIZE=k_cache.shape[1], ROW=row, ROW_PAD=next_power_of_2(row),
     )

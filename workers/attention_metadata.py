@@ -23,3 +23,5 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # [Bp + 1], relative to the first prefill row
     prefill_seq_lens: torch.Tensor  # [Bp]
     backend: str | None = None
+    # Longest prefill chunk, known on the host: the Triton kernel sizes its grid without a GPU sync.
+    prefill_max_query_len: int | None = None

@@ -113,5 +113,6 @@ class LlamaModel:
         if nd < q.shape[0]:
             parts.append(kernels.paged_prefill_attention(
                 q[nd:], k_cache, v_cache, attn.prefill_block_tables, attn.prefill_query_start_loc,
-                attn.prefill_seq_lens, scale=self.scale, backend=attn.backend))
+                attn.prefill_seq_lens, scale=self.scale, backend=attn.backend,
+                max_query_len=attn.prefill_max_query_len))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -92,6 +92,7 @@ class ModelRunner:
             prefill_query_start_loc=torch.tensor(qsl, device=dev, dtype=torch.int32),
             prefill_seq_lens=torch.tensor(seq_lens[num_decodes:], device=dev, dtype=torch.int32),
             backend=self.attention_backend,
+            prefill_max_query_len=max(q_lens, default=0),
         )
 
     def _generator(self, request: Request) -> torch.Generator | None:
