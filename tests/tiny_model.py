@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from workers.model import LlamaModel
@@ -48,3 +51,42 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.5) -> dict[st
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **cfg_knobs: int) -> LlamaModel:
     cfg = tiny_config(**cfg_knobs)
     return LlamaModel(cfg, random_weights(cfg, seed), torch.device("cpu"), dtype)
+
+
+def save_word_tokenizer(directory: str | Path, vocab_size: int) -> None:
+    """A word-level HF tokenizer (token i is the word ``w<i>``) for random-weight model directories
+    on machines without the bundled model's tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(
+        str(directory))
+
+
+def smollm2_shaped_hf_config(num_layers: int = 30) -> Any:
+    """SmolLM2-135M's shapes (9 query heads over 3 KV heads, head_dim 64), with an untied head."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=num_layers,
+                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                       rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=False, bos_token_id=1,
+                       eos_token_id=2)
+
+
+def save_random_hf_model(directory: str | Path, hf_config: Any, seed: int = 0) -> None:
+    """An HF directory (safetensors + word-level tokenizer) of random weights drawn as ``random_weights``
+    draws them: HF's own small init with a tied head just predicts the last token again."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "embed" in name:
+                weight.normal_(0.0, 1.0)
+            elif weight.dim() == 2:  # projections std 0.5/sqrt(fan_in); the head gives logits of std ~2
+                weight.normal_(0.0, (2.0 if "lm_head" in name else 0.5) / weight.shape[1] ** 0.5)
+    model.save_pretrained(str(directory))
+    save_word_tokenizer(directory, hf_config.vocab_size)

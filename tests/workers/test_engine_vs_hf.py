@@ -111,16 +111,17 @@ def test_after_prefix_cache_filled(make_engine, prompt_ids, hf_outputs):
 
 
 def full_prefill_logits(model, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prompt prefilled into a fresh paged cache."""
-    cfg, n, bs = model.config, len(ids), 16
+    """Logits at every position of one prompt prefilled into a fresh paged cache (on the model's device)."""
+    cfg, n, bs, dev = model.config, len(ids), 16, model.device
     num_blocks = -(-n // bs)
-    kv = torch.zeros(cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-    empty = torch.zeros(0, 1, dtype=torch.int32)
+    kv = torch.zeros(cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, device=dev, dtype=model.dtype)
+    empty = torch.zeros(0, 1, dtype=torch.int32, device=dev)
     md = AttentionMetadata(
-        slot_mapping=torch.arange(n),
+        slot_mapping=torch.arange(n, device=dev),
         num_decode_tokens=0, decode_block_tables=empty, decode_seq_lens=empty[:, 0],
-        prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
-        prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        prefill_seq_lens=torch.tensor([n], dtype=torch.int32),
+        prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
+        prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        prefill_seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
     )
-    return model.forward(torch.tensor(ids), torch.arange(n), kv, md, torch.arange(n))
+    positions = torch.arange(n, device=dev)
+    return model.forward(torch.tensor(ids, device=dev), positions, kv, md, positions)

@@ -1,0 +1,82 @@
+"""The engine on a CUDA GPU (Triton attention and KV stores throughout) against HF transformers on the
+same GPU. Skipped where there is no CUDA device.
+
+The model has SmolLM2-135M's shapes (30 layers, 9 query heads over 3 KV heads, head_dim 64) with
+random weights, saved as an HF directory with a word-level tokenizer built in code, so the test needs
+no files and no hub (``tests.tiny_model.save_random_hf_model``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.tiny_model import save_random_hf_model, smollm2_shaped_hf_config
+from tests.workers.test_engine_vs_hf import full_prefill_logits
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+NUM_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("smollm2-shaped")
+    save_random_hf_model(path, smollm2_shaped_hf_config())
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).cuda().eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    shared = [rng.randrange(100, 40000) for _ in range(300)]
+    lengths = [5, 16, 17, 100, 700]
+    # the last two share a 300-token prefix: the second one hits the prefix cache
+    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths] + [shared + [7, 8, 9], shared + [10]]
+
+
+def hf_greedy(hf_model, ids: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_fp32_greedy_tokens_equal_hf_on_the_gpu(model_dir, hf_model, prompts):
+    """Batched, chunked (64-token chunks) and with a prefix-cache hit: token for token HF's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512,
+                                 prefill_chunk_size=64))
+    assert engine.runner.attention_backend == "triton"
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
+    got = [r.token_ids for r in engine.generate(prompts, params)]
+    assert got == [hf_greedy(hf_model, p) for p in prompts]
+    assert engine.block_pool.check_integrity()
+    hit = engine.generate([prompts[-1]], params)[0].token_ids  # now all of it is cached but the last block
+    assert hit == got[-1]
+
+
+def test_bf16_logits_track_fp32_hf(model_dir, hf_model, prompts):
+    """The production dtype: bf16 prefill logits stay close to HF's fp32 ones and agree on the argmax."""
+    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64))
+    assert engine.model.dtype == torch.bfloat16 and engine.model.device.type == "cuda"
+    ids = prompts[4]  # 700 tokens
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([ids], device="cuda")).logits[0].float()
+    got = full_prefill_logits(engine.model, ids).float()
+    spread = expected.std().item()
+    assert (got - expected).abs().mean().item() < 0.05 * spread
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
