@@ -5,6 +5,11 @@ once; ``address()`` carries the agent's metadata (its UCX endpoints and memory k
 cache lives, so a sender can load it and post one one-sided WRITE of every (run, layer, K/V) segment
 straight into the receiver's memory. The receiver's CPU takes no part in the copy.
 
+Host caches (``DRAM``) are written through lanes: a sender keeps extra agents (each its own UCX
+worker) and posts a large transfer as byte-balanced parts, one per lane, from threads side by side
+(``workers.copy_lanes``: one lane reaches ~0.6x a memcpy here, two ~0.8-0.9x). GPU memory takes one
+lane: there the copy engines or the NIC do the work, not the posting thread.
+
 A WRITE that reports DONE has been flushed to the target, so when ``write_blocks`` returns the
 receiver holds the bytes. The ``nixl-cu12`` wheel moves CPU memory as well (``DRAM``), which is how
 this backend is tested without a GPU.
@@ -17,11 +22,13 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
+from workers.copy_lanes import LANES, PARALLEL_MIN_BYTES, run_on_lanes, split_by_bytes
 from workers.kv_transport import (
     CacheLayout,
     KVTransport,
@@ -51,10 +58,96 @@ def _nixl() -> Any:
     return nixl_cu12
 
 
+class _Lane:
+    """One NIXL agent (its own UCX worker) and the lock that keeps its calls serial: the Python
+    wrapper keeps state of its own."""
+
+    def __init__(self, nixl: Any, name: str):
+        # NIXL's own progress thread busy-polls (no delay between passes): an idle agent burns a whole
+        # core, which on a small CPU host halves the prefill next to it. A 1 ms progress loop of
+        # ours costs ~4% of a core and moved 64 MiB faster here (a sender also progresses while it
+        # polls its transfer).
+        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                        sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.name = name
+        self.agent = nixl.nixl_agent(name, config)
+        self.lock = threading.Lock()
+        self.remote_agents: set[str] = set()
+        self.registered: Any = None
+
+    def transfer(self, peer: dict[str, Any], local: np.ndarray, remote: np.ndarray, local_mem: str,
+                 notif: str, deadline: float, timeout_s: float) -> None:
+        handle = self._post(peer, local, remote, local_mem, notif)
+        try:
+            self._wait(handle, peer, notif, deadline, timeout_s)
+        finally:
+            self._release(handle)
+
+    def close(self) -> None:
+        with self.lock:
+            for agent in self.remote_agents:
+                self.agent.remove_remote_agent(agent)
+            self.remote_agents.clear()
+            if self.registered is not None:
+                self.agent.deregister_memory(self.registered)
+                self.registered = None
+
+    def _post(self, peer: dict[str, Any], local: np.ndarray, remote: np.ndarray, local_mem: str, notif: str) -> Any:
+        with self.lock:
+            try:
+                if peer["agent"] not in self.remote_agents:
+                    self.remote_agents.add(self.agent.add_remote_agent(peer["metadata"]))
+                handle = self.agent.initialize_xfer(
+                    "WRITE", self.agent.get_xfer_descs(local, local_mem),
+                    self.agent.get_xfer_descs(remote, peer["mem"]), peer["agent"], notif.encode())
+                state = self.agent.transfer(handle)
+            except Exception as e:  # nixl raises its bindings' own error types
+                raise TransferError(f"transfer {notif} to {peer.get('agent')} failed: "
+                                    f"{type(e).__name__}: {e}") from e
+        if state == "ERR":
+            self._release(handle)
+            raise TransferError(f"transfer {notif} to {peer.get('agent')} failed to post")
+        return handle
+
+    def _wait(self, handle: Any, peer: dict[str, Any], notif: str, deadline: float, timeout_s: float) -> None:
+        pause = 0.0
+        while True:
+            with self.lock:
+                state = self.agent.check_xfer_state(handle)
+            if state == "DONE":
+                return
+            if state == "ERR":
+                self._forget_peer(peer)
+                raise TransferError(f"transfer {notif} to {peer.get('agent')} failed (peer gone?)")
+            if time.perf_counter() > deadline:
+                self._forget_peer(peer)
+                raise TransferError(f"transfer {notif} to {peer.get('agent')} timed out after {timeout_s}s")
+            # Spin briefly (small transfers finish in microseconds), then back off to spare the CPU.
+            time.sleep(pause)
+            pause = min(pause * 2 or 1e-5, 1e-3)
+
+    def _release(self, handle: Any) -> None:
+        with self.lock:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - a handle stuck in flight stays with the agent; nothing to do
+                pass
+
+    def _forget_peer(self, peer: dict[str, Any]) -> None:
+        """Drop a failed peer's endpoints, so a restarted worker under that name is reloaded."""
+        with self.lock:
+            if peer["agent"] in self.remote_agents:
+                self.remote_agents.discard(peer["agent"])
+                try:
+                    self.agent.remove_remote_agent(peer["agent"])
+                except Exception:  # noqa: BLE001 - already torn down by UCX
+                    pass
+
+
 class NixlTransport(KVTransport):
     backend = "nixl"
 
-    def __init__(self, name: str | None = None, device: str = "cpu"):
+    def __init__(self, name: str | None = None, device: str = "cpu", lanes: int | None = None):
         nixl = _nixl()
         if device == "cpu":
             # Host memory between processes: cross-memory attach (one kernel copy) beats UCX's default
@@ -62,16 +155,9 @@ class NixlTransport(KVTransport):
             # UCX_TLS wins; GPU caches leave the choice to UCX (NVLink, RDMA, cuda_ipc).
             os.environ.setdefault("UCX_TLS", "cma,tcp,self")
         self.name = name or f"tandem-{uuid.uuid4().hex[:12]}"
-        # NIXL's own progress thread busy-polls (no delay between passes): an idle agent burns a whole
-        # core, which on a small CPU host halves the prefill next to it. A 1 ms progress loop of
-        # ours costs ~4% of a core and moved 64 MiB faster here (the sender also progresses while it
-        # polls its transfer).
-        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
-                                        sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        self._agent = nixl.nixl_agent(self.name, config)
-        self._lock = threading.Lock()  # the Python wrapper keeps state of its own; calls stay serial
-        self._remote_agents: set[str] = set()
-        self._registered: Any = None
+        num_lanes = lanes if lanes is not None else (LANES if device == "cpu" else 1)
+        # Lane 0 is the agent peers write into (its name is the address); the others only send.
+        self._lanes = [_Lane(nixl, self.name)] + [_Lane(nixl, f"{self.name}-lane{i}") for i in range(1, num_lanes)]
         self.kv_cache: torch.Tensor | None = None
         self._closed = threading.Event()
         self._progress_thread = threading.Thread(target=self._progress, name=f"{self.name}-progress", daemon=True)
@@ -79,15 +165,17 @@ class NixlTransport(KVTransport):
 
     def _progress(self) -> None:
         """Serve peers' connection set-up and writes into our memory (UCX needs the target to progress)."""
+        lane = self._lanes[0]
         while not self._closed.wait(_PROGRESS_INTERVAL_S):
-            with self._lock:
-                self._agent.get_new_notifs()
+            with lane.lock:
+                lane.agent.get_new_notifs()
 
     # ---- KVTransport ----
     def register(self, kv_cache: torch.Tensor) -> None:
         check_cache_layout(kv_cache)
-        with self._lock:
-            self._registered = self._agent.register_memory([kv_cache])
+        for lane in self._lanes:
+            with lane.lock:
+                lane.registered = lane.agent.register_memory([kv_cache])
         self.kv_cache = kv_cache
 
     def address(self) -> dict[str, Any]:
@@ -95,7 +183,7 @@ class NixlTransport(KVTransport):
             raise TransferError("no KV cache registered")
         cache = self.kv_cache
         return {
-            "backend": self.backend, "agent": self.name, "metadata": self._agent.get_agent_metadata(),
+            "backend": self.backend, "agent": self.name, "metadata": self._lanes[0].agent.get_agent_metadata(),
             "base": cache.data_ptr(), "device_id": max(cache.get_device(), 0), "mem": _mem_type(cache),
             "layout": list(CacheLayout.of(cache)),
         }
@@ -110,24 +198,21 @@ class NixlTransport(KVTransport):
         if error is not None:
             raise TransferError(f"transfer {request_id} to {peer.get('agent')} refused: {error}")
         local, remote = self._descriptors(peer, runs)
+        num_bytes = int(local[:, 1].sum())
+        parts = self._split(local, remote) if len(self._lanes) > 1 and num_bytes >= PARALLEL_MIN_BYTES else [
+            (local, remote)]
         t0 = time.perf_counter()
-        handle = self._post(peer, local, remote, request_id)
-        try:
-            self._wait(handle, peer, request_id, t0 + timeout_s, timeout_s)
-        finally:
-            self._release(handle)
-        return TransferResult(request_id, int(local[:, 1].sum()), time.perf_counter() - t0)
+        mem = _mem_type(self.kv_cache)
+        run_on_lanes([partial(self._lanes[i].transfer, peer, part_local, part_remote, mem,
+                              request_id if len(parts) == 1 else f"{request_id}/lane{i}", t0 + timeout_s, timeout_s)
+                      for i, (part_local, part_remote) in enumerate(parts)], name=f"{self.name}-lane")
+        return TransferResult(request_id, num_bytes, time.perf_counter() - t0)
 
     def close(self) -> None:
         self._closed.set()
         self._progress_thread.join(timeout=5)
-        with self._lock:
-            for agent in self._remote_agents:
-                self._agent.remove_remote_agent(agent)
-            self._remote_agents.clear()
-            if self._registered is not None:
-                self._agent.deregister_memory(self._registered)
-                self._registered = None
+        for lane in self._lanes:
+            lane.close()
 
     # ---- internals ----
     def _descriptors(self, peer: dict[str, Any], runs: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -145,57 +230,15 @@ class NixlTransport(KVTransport):
             rows_remote.append(np.stack([dst, length, np.full_like(slabs, int(peer["device_id"]))], axis=1))
         return np.concatenate(rows_local), np.concatenate(rows_remote)
 
-    def _post(self, peer: dict[str, Any], local: np.ndarray, remote: np.ndarray, request_id: str) -> Any:
-        assert self.kv_cache is not None
-        with self._lock:
-            try:
-                if peer["agent"] not in self._remote_agents:
-                    self._remote_agents.add(self._agent.add_remote_agent(peer["metadata"]))
-                handle = self._agent.initialize_xfer(
-                    "WRITE", self._agent.get_xfer_descs(local, _mem_type(self.kv_cache)),
-                    self._agent.get_xfer_descs(remote, peer["mem"]), peer["agent"], request_id.encode())
-                state = self._agent.transfer(handle)
-            except Exception as e:  # nixl raises its bindings' own error types
-                raise TransferError(f"transfer {request_id} to {peer.get('agent')} failed: "
-                                    f"{type(e).__name__}: {e}") from e
-        if state == "ERR":
-            self._release(handle)
-            raise TransferError(f"transfer {request_id} to {peer.get('agent')} failed to post")
-        return handle
-
-    def _wait(self, handle: Any, peer: dict[str, Any], request_id: str, deadline: float, timeout_s: float) -> None:
-        pause = 0.0
-        while True:
-            with self._lock:
-                state = self._agent.check_xfer_state(handle)
-            if state == "DONE":
-                return
-            if state == "ERR":
-                self._forget_peer(peer)
-                raise TransferError(f"transfer {request_id} to {peer.get('agent')} failed (peer gone?)")
-            if time.perf_counter() > deadline:
-                self._forget_peer(peer)
-                raise TransferError(f"transfer {request_id} to {peer.get('agent')} timed out after {timeout_s}s")
-            # Spin briefly (small transfers finish in microseconds), then back off to spare the CPU.
-            time.sleep(pause)
-            pause = min(pause * 2 or 1e-5, 1e-3)
-
-    def _release(self, handle: Any) -> None:
-        with self._lock:
-            try:
-                self._agent.release_xfer_handle(handle)
-            except Exception:  # noqa: BLE001 - a handle stuck in flight stays with the agent; nothing to do
-                pass
-
-    def _forget_peer(self, peer: dict[str, Any]) -> None:
-        """Drop a failed peer's endpoints, so a restarted worker under that name is reloaded."""
-        with self._lock:
-            if peer["agent"] in self._remote_agents:
-                self._remote_agents.discard(peer["agent"])
-                try:
-                    self._agent.remove_remote_agent(peer["agent"])
-                except Exception:  # noqa: BLE001 - already torn down by UCX
-                    pass
+    def _split(self, local: np.ndarray, remote: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The descriptor rows cut into one byte-balanced part per lane (both sides cut alike)."""
+        table = np.stack([local[:, 0], remote[:, 0], local[:, 1]], axis=1)
+        parts = []
+        for part in split_by_bytes(table, len(self._lanes)):
+            n = len(part)
+            parts.append((np.stack([part[:, 0], part[:, 2], np.full(n, local[0, 2], np.uint64)], axis=1),
+                          np.stack([part[:, 1], part[:, 2], np.full(n, remote[0, 2], np.uint64)], axis=1)))
+        return parts
 
 
 def _mem_type(t: torch.Tensor) -> str:

@@ -15,10 +15,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import threading
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
+
+from workers.copy_lanes import LANES, PARALLEL_MIN_BYTES, run_on_lanes, split_by_bytes
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -42,12 +44,6 @@ def host_identity() -> str | None:
         return None
 
 
-# One process_vm_writev thread reaches ~0.6x a memcpy here (the kernel pins and maps the peer's pages
-# as it goes); two threads on halves of the bytes reach ~1.0x. Small writes stay on one thread.
-COPY_THREADS = 2
-_PARALLEL_MIN_BYTES = 4 << 20
-
-
 def write_to_process(pid: int, local_base: int, remote_base: int, spans: Sequence[tuple[int, int, int]]) -> int:
     """Copy ``(local offset, remote offset, length)`` spans from this process into process ``pid``.
 
@@ -57,48 +53,11 @@ def write_to_process(pid: int, local_base: int, remote_base: int, spans: Sequenc
     if _writev is None:
         raise OSError(errno.ENOSYS, "process_vm_writev is not available on this system")
     table = np.asarray(spans, dtype=np.uint64).reshape(-1, 3)
-    parts = _split_bytes(table, COPY_THREADS) if int(table[:, 2].sum()) >= _PARALLEL_MIN_BYTES else [table]
-    if len(parts) == 1:
+    if int(table[:, 2].sum()) < PARALLEL_MIN_BYTES:
         return _write_spans(pid, local_base, remote_base, table)
-    results: list[int | BaseException] = [0] * len(parts)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = _write_spans(pid, local_base, remote_base, parts[i])
-        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
-            results[i] = e
-
-    helpers = [threading.Thread(target=run, args=(i,), name="same-host-copy") for i in range(1, len(parts))]
-    for t in helpers:
-        t.start()
-    run(0)
-    for t in helpers:
-        t.join()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return sum(r for r in results if isinstance(r, int))
-
-
-def _split_bytes(table: np.ndarray, n: int) -> list[np.ndarray]:
-    """``n`` span tables of about equal bytes (a span crossing a cut is split there)."""
-    starts = np.concatenate([[0], np.cumsum(table[:, 2])]).astype(np.uint64)
-    total = int(starts[-1])
-    parts = []
-    for k in range(n):
-        lo, hi = total * k // n, total * (k + 1) // n
-        first = int(np.searchsorted(starts, lo, side="right")) - 1
-        last = int(np.searchsorted(starts, hi, side="left"))
-        part = table[first:last].copy()
-        if len(part) == 0:
-            continue
-        head = np.uint64(lo) - starts[first]  # bytes of the first span that belong to the previous part
-        part[0, 0] += head
-        part[0, 1] += head
-        part[0, 2] -= head
-        part[-1, 2] -= starts[last] - np.uint64(hi)  # bytes of the last span that belong to the next part
-        parts.append(part[part[:, 2] > 0])
-    return [p for p in parts if len(p)]
+    parts = split_by_bytes(table, LANES)
+    return sum(run_on_lanes([partial(_write_spans, pid, local_base, remote_base, part) for part in parts],
+                            name="same-host-copy"))
 
 
 def _write_spans(pid: int, local_base: int, remote_base: int, table: np.ndarray) -> int:

@@ -44,10 +44,10 @@ def pair(backend):
     b.close()
 
 
-def _remote_receiver(backend: str, conn) -> None:  # type: ignore[no-untyped-def]
+def _remote_receiver(backend: str, conn, shape: tuple[int, ...] = SHAPE) -> None:  # type: ignore[no-untyped-def]
     """Serves its cache's blocks on request (a list of block ids) until told "stop"."""
     transport = make(backend)
-    cache = torch.zeros(SHAPE)
+    cache = torch.zeros(shape)
     transport.register(cache)
     conn.send(transport.address())
     while (blocks := conn.recv()) != "stop":
@@ -55,11 +55,14 @@ def _remote_receiver(backend: str, conn) -> None:  # type: ignore[no-untyped-def
 
 
 @pytest.fixture
-def remote_peer(backend):
-    """A receiver in another process: (address, process)."""
+def remote_peer(backend, request):
+    """A receiver in another process: (address, process, pipe); its cache shape is SHAPE unless the
+    test says otherwise (``@pytest.mark.parametrize("remote_shape", ...)``)."""
+    callspec = getattr(request.node, "callspec", None)
+    shape = callspec.params.get("remote_shape", SHAPE) if callspec else SHAPE
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_remote_receiver, args=(backend, child), daemon=True)
+    proc = ctx.Process(target=_remote_receiver, args=(backend, child, shape), daemon=True)
     proc.start()
     address = parent.recv()
     yield address, proc, parent
@@ -129,6 +132,37 @@ def test_transfer_to_another_process(pair, remote_peer):
     ask.send([i for i in range(SHAPE[2]) if i not in dst])
     assert ask.recv().abs().sum() == 0
     assert result.num_bytes == len(src) * SHAPE[0] * 2 * SHAPE[3] * SHAPE[4] * SHAPE[5] * 4
+
+
+BIG_SHAPE = (4, 2, 64, 16, 4, 64)  # 128 KiB per block over all slabs: 48 blocks are 6 MiB
+
+
+@pytest.mark.parametrize("remote_shape", [BIG_SHAPE])
+def test_a_large_transfer_split_across_lanes_lands_exactly(backend, remote_peer, remote_shape):
+    """Past copy_lanes.PARALLEL_MIN_BYTES the same-host tcp copy and nixl split the bytes over two
+    threads; every byte still lands where it belongs, and a dead peer still fails cleanly."""
+    from workers.copy_lanes import PARALLEL_MIN_BYTES
+
+    a = make(backend)
+    a.register(torch.randn(BIG_SHAPE))
+    try:
+        address, proc, ask = remote_peer
+        src = list(range(40)) + [41, 43, 50, 60, 44, 45, 46, 63]  # one long run, then scattered ones
+        dst = list(range(10, 50)) + [0, 2, 4, 6, 51, 52, 53, 63]
+        result = a.write_blocks(address, src, dst, "big", timeout_s=20)
+        assert result.num_bytes == len(src) * a.kv_cache[:, :, 0].numel() * 4 >= PARALLEL_MIN_BYTES
+        ask.send(dst)
+        assert torch.equal(ask.recv(), a.kv_cache[:, :, src])
+        ask.send([i for i in range(BIG_SHAPE[2]) if i not in dst])
+        assert ask.recv().abs().sum() == 0
+        proc.kill()
+        proc.join(timeout=10)
+        t0 = time.perf_counter()
+        with pytest.raises(TransferError, match="failed|timed out|refused"):
+            a.write_blocks(address, src, dst, "after-death", timeout_s=3.0)
+        assert time.perf_counter() - t0 < 5
+    finally:
+        a.close()
 
 
 def test_tcp_same_host_copy_is_used_only_between_processes_of_one_host(monkeypatch):
