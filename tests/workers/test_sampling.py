@@ -96,3 +96,22 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
     from tests.workers.test_engine_vs_hf import full_prefill_logits
 
     return full_prefill_logits(model, ids)[-1]
+
+
+def test_top_p_over_candidates_keeps_what_a_full_sort_keeps():
+    """Peaked rows (nucleus inside the top-k candidates) and flat ones (wider: the full-sort fallback),
+    over a real-sized vocabulary, against the whole-vocabulary sort."""
+    from workers.sampler import NUCLEUS_CANDIDATES, top_p_drop
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 49152
+    scales = torch.tensor([8.0, 4.0, 2.0, 0.3, 0.05, 0.0])  # logit spread: peaked ... uniform
+    probs = (torch.randn(len(scales), vocab, generator=g) * scales[:, None]).softmax(dim=-1)
+    top_p = torch.tensor([[0.9], [0.5], [0.95], [0.8], [0.99], [0.3]])
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    expected = torch.zeros_like(probs, dtype=torch.bool).scatter(1, order, before >= top_p)
+    got = top_p_drop(probs, top_p)
+    assert torch.equal(got, expected)
+    kept = (~got).sum(dim=-1)
+    assert kept.min() <= NUCLEUS_CANDIDATES < kept.max()  # both paths ran
