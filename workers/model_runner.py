@@ -14,7 +14,7 @@ import kernels
 from workers.attention_metadata import AttentionMetadata
 from workers.model import LlamaModel
 from workers.request import Request
-from workers.sampler import sample
+from workers.sampler import draw, sample
 from workers.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 
 
@@ -110,7 +110,7 @@ class ModelRunner:
         """Advance a sampled request's generator past one draw made elsewhere (its first token)."""
         gen = self._generator(request)
         if gen is not None:
-            torch.empty(self.model.config.vocab_size, device=self.device).exponential_(generator=gen)
+            draw(gen, self.device)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator (a preempted one keeps it: its stream continues)."""

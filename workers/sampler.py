@@ -1,9 +1,11 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Filters apply in HF's order: temperature, then top-k, then top-p, then min-p, each on the
-distribution the previous one left (renormalized). A random row draws with its own
-``torch.Generator`` through the exponential race (argmax of p / Exp(1)), which samples exactly from
-p and consumes the same random numbers whatever else is in the batch: a seeded request reproduces.
+distribution the previous one left (renormalized). A random row draws one uniform number from its own
+``torch.Generator`` (``draw``) and inverts the CDF of its filtered distribution: an exact sample of
+p from the same random numbers whatever else is in the batch, so a seeded request reproduces. (The
+exponential race it replaced, argmax of p / Exp(1), drew one number per vocabulary entry: 75 ms a
+step for 64 rows on this CPU, against ~4 ms.)
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def top_p_drop(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return drop
 
 
+def draw(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The one random number a sampled token consumes: [1], uniform in [0, 1)."""
+    return torch.rand(1, generator=generator, device=device)
+
+
 def sample(
     logits: torch.Tensor,  # [N, V] float32
     params: Sequence[SamplingParams],
@@ -72,10 +79,12 @@ def sample(
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         probs = apply_filters(logits[rows], [params[i] for i in random_rows]).softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=generators[i])
-        token_ids[rows] = (probs / noise).argmax(dim=-1)
+        u = torch.stack([draw(generators[i], logits.device) for i in random_rows]).double()
+        cdf = probs.double().cumsum(dim=-1)
+        # The first token whose cumulative mass passes u * total; a token of mass 0 never does.
+        chosen = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+        vocab = probs.shape[1]
+        token_ids[rows] = torch.where(chosen < vocab, chosen, probs.argmax(dim=-1))  # u * total rounded up
     logprobs: list[float | None] = [None] * num_rows
     want = [i for i, p in enumerate(params) if p.logprobs]
     if want:
