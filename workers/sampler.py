@@ -17,7 +17,7 @@ import torch
 from workers.sampling_params import SamplingParams
 
 # Top-p first looks among this many most likely tokens (``topk``, not a sort of the whole vocabulary:
-# on a CPU a [64, 49152] sort took ~0.3 s a step, longer than the model). A row whose nucleus is wider
+# on a CPU a [64, 49152] sort took ~0.3 s, about as long as a decode step of the model). A row whose nucleus is wider
 # than that falls back to the full sort, so the kept set is the same either way.
 NUCLEUS_CANDIDATES = 1024
 
