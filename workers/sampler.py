@@ -32,8 +32,9 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     if top_k_rows:
         rows = torch.tensor(top_k_rows, device=device)
         ks = torch.tensor([params[i].top_k for i in top_k_rows], device=device)
-        kth = logits[rows].topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
-        logits[rows] = logits[rows].masked_fill(logits[rows] < kth, float("-inf"))
+        sub = logits[rows]
+        kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
+        logits[rows] = sub.masked_fill(sub < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
         logits = logits.masked_fill(top_p_drop(logits.softmax(dim=-1), top_p), float("-inf"))
@@ -47,16 +48,20 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 def top_p_drop(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Tokens outside each row's nucleus: drop a token when the tokens strictly more likely already
     cover top_p (so at least one stays). probs: [N, V]; top_p: [N, 1] -> bool [N, V]."""
-    vals, idx = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[1]), dim=-1)  # descending
-    cum_before = vals.cumsum(dim=-1) - vals
-    # Every token past the candidates has at least their whole mass before it.
-    drop = torch.ones_like(probs, dtype=torch.bool).scatter_(1, idx, cum_before >= top_p)
-    wide = (cum_before[:, -1] + vals[:, -1] < top_p[:, 0]).nonzero().squeeze(1)
+    drop, covered = _drop_past_nucleus(*probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[1]), dim=-1), probs, top_p)
+    wide = (covered < top_p[:, 0]).nonzero().squeeze(1)
     if len(wide):
-        sorted_probs, order = probs[wide].sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop[wide] = torch.zeros_like(before, dtype=torch.bool).scatter_(1, order, before >= top_p[wide])
+        drop[wide] = _drop_past_nucleus(*probs[wide].sort(dim=-1, descending=True), probs[wide], top_p[wide])[0]
     return drop
+
+
+def _drop_past_nucleus(vals: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor,
+                       top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drop mask from a row's likeliest tokens (``vals`` descending, token ids ``idx``), and the
+    mass they cover. Every token not among them has at least that whole mass before it: dropped."""
+    cum_before = vals.cumsum(dim=-1) - vals
+    drop = torch.ones_like(probs, dtype=torch.bool).scatter_(1, idx, cum_before >= top_p)
+    return drop, cum_before[:, -1] + vals[:, -1]
 
 
 def draw(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

@@ -20,8 +20,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -32,12 +34,15 @@ from workers.config import EngineConfig  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
+T = TypeVar("T")
+EngineFactory = Callable[..., Engine]
+
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def synced(fn):  # noqa: ANN001, ANN201
+def synced(fn: Callable[[], T]) -> tuple[float, T]:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = fn()
@@ -45,7 +50,7 @@ def synced(fn):  # noqa: ANN001, ANN201
     return time.perf_counter() - t0, out
 
 
-def throughput(engine_for, hf, num_requests: int, hf_batch: int = 64) -> dict[str, float]:  # noqa: ANN001
+def throughput(engine_for: EngineFactory, hf: Any, num_requests: int, hf_batch: int = 64) -> dict[str, float]:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(128, 512))] for _ in range(num_requests)]
     outs = [rng.randint(16, 256) for _ in range(num_requests)]
@@ -69,7 +74,7 @@ def throughput(engine_for, hf, num_requests: int, hf_batch: int = 64) -> dict[st
     return {"tandem_tok_s": useful / tandem_s, "hf_tok_s": useful / hf_s, "ratio": hf_s / tandem_s}
 
 
-def decode_step(engine_for, batch: int = 64, ctx: int = 512, steps: int = 30) -> dict[str, float]:  # noqa: ANN001
+def decode_step(engine_for: EngineFactory, batch: int = 64, ctx: int = 512, steps: int = 30) -> dict[str, float]:
     rng = random.Random(1)
     engine = engine_for(max_num_seqs=batch, num_kv_blocks=batch * (ctx + steps + 64) // 16 + 64)
     for _ in range(batch):
@@ -88,7 +93,7 @@ def decode_step(engine_for, batch: int = 64, ctx: int = 512, steps: int = 30) ->
     return {"step_ms": statistics.median(walls) * 1e3, "gpu_ms": gpu_us / 1e3}
 
 
-def ttft(engine_for, hf, length: int = 1000, repeats: int = 10) -> dict[str, float]:  # noqa: ANN001
+def ttft(engine_for: EngineFactory, hf: Any, length: int = 1000, repeats: int = 10) -> dict[str, float]:
     rng = random.Random(2)
     engine = engine_for(enable_prefix_caching=False, num_kv_blocks=256)
     params = SamplingParams(max_tokens=1, temperature=0)
