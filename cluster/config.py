@@ -14,9 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kernels.host_math import cdiv
 from router.policy import PolicyConfig
-from workers.cluster_keys import ROLES
-from workers.config import EngineConfig, WorkerResources
+from workers.engine.config import EngineConfig
+from workers.protocol.cluster_keys import ROLES
+from workers.resources import WorkerResources
 
 
 class ConfigError(ValueError):
@@ -180,7 +182,7 @@ def check_kv_budget(config: ClusterConfig, kv_bytes_per_token: int, model_max_le
         engine = config.pool(role).engine
         block_bytes = kv_bytes_per_token * engine.block_size
         num_blocks = engine.kv_cache_bytes // block_bytes
-        needed = -(-max_len // engine.block_size)
+        needed = cdiv(max_len, engine.block_size)
         if num_blocks < needed:
             raise ConfigError(
                 f"{role}.engine.kv_cache_bytes: {engine.kv_cache_bytes} bytes hold {num_blocks} blocks, but one "

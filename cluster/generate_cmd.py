@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from workers.errors import TandemError
+from workers.protocol.errors import TandemError
 
 
 def add_parser(sub: Any) -> None:
@@ -50,9 +50,9 @@ def read_inputs(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from workers.config import EngineConfig
-    from workers.engine import Engine
-    from workers.sampling_params import SamplingParams
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+    from workers.protocol.sampling_params import SamplingParams
 
     inputs = read_inputs(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

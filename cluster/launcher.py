@@ -14,7 +14,7 @@ from cluster.config import ClusterConfig, ConfigError, check_kv_budget
 from cluster.embedded_redis import EmbeddedRedis
 from cluster.pool_controller import PoolController
 from cluster.pool_manager import PoolManager
-from workers.cluster_keys import ROLES
+from workers.protocol.cluster_keys import ROLES
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,10 @@ class Launcher:
 
     def check_model(self) -> None:
         """Config errors that need the model's shape (KV bytes per token), before anything starts."""
-        from workers.model_cache import prepared_source
-        from workers.model_loader import load_model_config, resolve_model_source
+        from workers.model.open_model import open_model
 
         try:
-            model = load_model_config(prepared_source(resolve_model_source(self.config.model.path)))
+            model = open_model(self.config.model.path).config
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.path: {e}") from None
         itemsize = 2 if self.config.model.dtype in ("float16", "bfloat16") else 4

@@ -20,8 +20,8 @@ import redis
 
 from cluster.config import ClusterConfig
 from cluster.pool_manager import PoolManager
-from workers.cluster_keys import ROLES, ClusterKeys, ControllerState, PoolTarget
-from workers.protocol import pack, unpack
+from workers.protocol.cluster_keys import ROLES, ClusterKeys, ControllerState, PoolTarget
+from workers.protocol.messages import pack, unpack
 
 log = logging.getLogger(__name__)
 

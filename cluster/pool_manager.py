@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import ClusterConfig
-from workers.cluster_keys import ROLES
-from workers.publisher import PublishConfig
+from workers.protocol.cluster_keys import ROLES
+from workers.service.publisher import PublishConfig
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from cluster.config import ConfigError, load_config
-from workers.cluster_keys import ROLES
+from workers.protocol.cluster_keys import ROLES
 
 LIVE_KEYS = ("replicas", "min_replicas", "max_replicas")  # what a running cluster can change
 

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from cluster.config import ClusterConfig, ConfigError, load_config
-from workers.cluster_keys import ROLES
+from workers.protocol.cluster_keys import ROLES
 
 # After SIGTERM the router gets its grace for in-flight streams; its own shutdown (cancelling what is
 # left, closing Redis) then has this long before serve stops the workers and exits regardless.
@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     from cluster.launcher import Launcher, say
-    from router.app import RouterConfig, create_app
+    from router.app import create_app
+    from router.state import RouterConfig
     from router.worker_client import RayWorkerClient
 
     try:

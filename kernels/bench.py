@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import paged_decode_attention, paged_prefill_attention
+from kernels.host_math import cdiv
 
 HBM_PEAK_BYTES_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
 
@@ -82,7 +83,7 @@ def host_time(fn: Callable[[], object], device: torch.device, calls: int = 200) 
 
 def paged_layout(batch: int, ctx: int, kv_heads: int, head_dim: int, block: int, dtype: torch.dtype,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    num_blocks = batch * (-(-ctx // block))
+    num_blocks = batch * cdiv(ctx, block)
     k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(num_blocks, device=device).view(batch, -1).to(torch.int32)  # shuffled pages

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kernels.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.cpp"
@@ -62,8 +64,6 @@ def _load() -> str | None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++) on PATH"
     from torch.utils import cpp_extension
-
-    from workers.model_cache import cache_root
 
     build_dir = cache_root() / "kernels" / f"{_NAME}-torch{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)

@@ -13,13 +13,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.host_math import cdiv
+
 
 def gather_sequence_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's K and V, ``[seq_len, num_kv_heads, head_dim]`` each."""
     block_size = k_cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     ids = block_table[:num_blocks].long()
     k = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:seq_len]
     v = v_cache[ids].reshape(-1, *v_cache.shape[2:])[:seq_len]

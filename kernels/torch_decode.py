@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.host_math import cdiv
 from kernels.length_groups import length_groups
 
 
@@ -57,7 +58,7 @@ def _group_plan(rows: Tensor | None, tables: Tensor, lens: Tensor, block_size: i
                 num_heads: int) -> _Group:
     dev = lens.device
     batch = lens.shape[0]
-    num_blocks = -(-int(lens.max()) // block_size)
+    num_blocks = cdiv(int(lens.max()), block_size)
     length = num_blocks * block_size
     block_ids = tables[:, :num_blocks].long()
     pos = torch.arange(length, device=dev)

@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.host_math import cdiv
 from kernels.length_groups import length_groups
 
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     """cache: [num_blocks, bs, KVH, D], block_tables: [B, M] -> [B, KVH, L, D] (L = max_len rounded up)."""
     block_size = cache.shape[1]
-    num_blocks = -(-max_len // block_size)
+    num_blocks = cdiv(max_len, block_size)
     batch = block_tables.shape[0]
     # index_select on a 2-D view copies whole blocks; 3-4x faster than advanced indexing on CPU.
     ids = block_tables[:, :num_blocks].reshape(-1).long()

@@ -15,78 +15,25 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from router.dispatch import Dispatcher
-from router.errors import APIError, install_error_handlers
+from router.errors import install_error_handlers
 from router.kv_event_consumer import KVEventConsumer
 from router.metrics import RouterMetrics, merge_expositions
 from router.openai_api import api
-from router.policy import PolicyConfig
 from router.pool_api import pools_api, read_controller, read_targets
 from router.prefix_index import PrefixIndex
+from router.state import RouterConfig, RouterState, load_tokenizer
 from router.worker_client import WorkerClient
 from router.worker_directory import WorkerDirectory
-from workers.cluster_keys import ROLES, ClusterKeys, ControllerState
-from workers.tokenizer import Tokenizer
+from workers.model.tokenizer import Tokenizer
+from workers.protocol.cluster_keys import ROLES, ClusterKeys, ControllerState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RouterConfig:
-    redis_url: str
-    cluster: str = "default"
-    # The model file (for the tokenizer; the same as the workers'); None: the bundled default.
-    model: str | None = None
-    # The name clients send as ``model``; None: the model file's stem.
-    served_model_name: str | None = None
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    # How long the router's own routing decisions count as cached blocks before events confirm them.
-    approx_ttl_s: float = 2.0
-    poll_interval_s: float = 0.05
-    metrics_timeout_s: float = 2.0
-
-
-class ClusterShape(NamedTuple):
-    block_size: int
-    max_model_len: int
-
-
-@dataclass
-class RouterState:
-    config: RouterConfig
-    model_name: str
-    tokenizer: Tokenizer
-    redis: aioredis.Redis
-    directory: WorkerDirectory
-    index: PrefixIndex
-    consumer: KVEventConsumer
-    dispatcher: Dispatcher
-    metrics: RouterMetrics
-    client: WorkerClient
-
-    def cluster_shape(self) -> ClusterShape:
-        """Block size and the longest request every decode worker takes; 503 with no decode worker."""
-        decoders = self.directory.live("decode")
-        if not decoders:
-            raise APIError(503, "no decode worker is available; try again shortly", "service_unavailable",
-                           retry_after_s=1)
-        return ClusterShape(decoders[0].info.block_size, min(e.info.max_model_len for e in decoders))
-
-
-def load_tokenizer(model: str | None) -> tuple[Tokenizer, str]:
-    from workers.model_cache import prepared_source
-    from workers.model_loader import resolve_model_source
-
-    source = resolve_model_source(model)
-    name = source.path.name.split(".")[0] if source.kind == "gguf" else source.path.name
-    return Tokenizer.load(prepared_source(source)), name
 
 
 def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer | None = None) -> FastAPI:

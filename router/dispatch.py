@@ -16,11 +16,13 @@ from collections import Counter
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
-from router.errors import APIError
+from kernels.host_math import cdiv
+from router.errors import APIError, no_worker_error
 from router.metrics import RouterMetrics
 from router.policy import (
     PolicyConfig,
     RoundRobin,
+    Route,
     WorkerView,
     choose_decode_worker,
     choose_least_loaded,
@@ -30,20 +32,11 @@ from router.policy import (
 from router.prefix_index import PrefixIndex
 from router.worker_client import WorkerClient, WorkerUnreachable
 from router.worker_directory import WorkerDirectory, WorkerEntry
-from workers.block_hash import ROOT_HASH, hash_block, hash_prompt_blocks
-from workers.kv_cache_manager import cdiv
-from workers.protocol import GenerateRequest, TokenChunk
+from workers.protocol.block_hash import ROOT_HASH, hash_block, hash_prompt_blocks
+from workers.protocol.messages import GenerateRequest, TokenChunk
 
 # A remote prefill failing this way (transfer error, prefill worker gone or stopped) is retried locally.
 _RETRY_LOCALLY = ("transfer", "unavailable")
-
-
-@dataclass(frozen=True)
-class Route:
-    decode_worker: str
-    prefill_worker: str | None  # None: prefill on the decode worker
-    prefill_overlap_blocks: int  # cached leading blocks on the worker that prefills
-    kv_blocks_needed: int  # prompt + max_tokens, on the decode worker
 
 
 @dataclass
@@ -80,8 +73,7 @@ class Dispatcher:
         decoders = [self._view(e) for e in self.directory.live("decode")]
         prefillers = [self._view(e) for e in self.directory.live("prefill")]
         if not decoders:
-            raise APIError(503, "no decode worker is available; try again shortly", "service_unavailable",
-                           retry_after_s=1)
+            raise no_worker_error("decode")
         num_blocks = len(block_hashes)
         tie_key = block_hashes[0] if block_hashes else hash_block(ROOT_HASH, prompt_token_ids)
         needed = cdiv(len(prompt_token_ids) + max_tokens, block_size)

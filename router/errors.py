@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from workers.errors import InvalidRequestError
+from workers.protocol.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,12 @@ class APIError(Exception):
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
+
+
+def no_worker_error(role: str) -> APIError:
+    """No worker of ``role`` is up: the one 503 a client may retry after a moment."""
+    return APIError(503, f"no {role} worker is available; try again shortly", "service_unavailable",
+                    retry_after_s=1)
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:

@@ -22,9 +22,9 @@ import msgpack
 import redis.asyncio as aioredis
 
 from router.prefix_index import PrefixIndex
-from workers.cluster_keys import ClusterKeys, KVSnapshot
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_events
-from workers.protocol import unpack
+from workers.protocol.cluster_keys import ClusterKeys, KVSnapshot
+from workers.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_events
+from workers.protocol.messages import unpack
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The router's Prometheus metrics, and the merge of every worker's exposition into one scrape.
 
-Workers keep their own registries (``workers.metrics``); ``/metrics`` on a router returns its own
+Workers keep their own registries (``workers.service.metrics``); ``/metrics`` on a router returns its own
 families followed by the workers', with samples of the same family from different workers joined
 under one HELP/TYPE header, so one scrape shows the cluster.
 """
@@ -8,14 +8,12 @@ under one HELP/TYPE header, so one scrape shows the cluster.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-if TYPE_CHECKING:
-    from router.dispatch import Route
+from router.policy import Route
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

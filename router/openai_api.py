@@ -13,7 +13,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -22,12 +21,10 @@ from router.errors import WORKER_ERROR_STATUS, APIError
 from router.responses import DONE_EVENT, Completion, error_event
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sse import EventStreamResponse, until_disconnect
-from workers.errors import InvalidRequestError
-from workers.protocol import TokenChunk, sampling_to_dict
-from workers.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from router.app import RouterState
+from router.state import RouterState
+from workers.protocol.errors import InvalidRequestError
+from workers.protocol.messages import TokenChunk, sampling_to_dict
+from workers.protocol.sampling_params import SamplingParams
 
 api = APIRouter()
 

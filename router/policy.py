@@ -24,6 +24,16 @@ POLICIES = ("prefix_aware", "round_robin", "least_loaded")
 
 
 @dataclass(frozen=True)
+class Route:
+    """A routing decision: which workers serve one request."""
+
+    decode_worker: str
+    prefill_worker: str | None  # None: prefill on the decode worker
+    prefill_overlap_blocks: int  # cached leading blocks on the worker that prefills
+    kv_blocks_needed: int  # prompt + max_tokens, on the decode worker
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     policy: str = "prefix_aware"
     prefill_weight: float = 1.0

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from redis.exceptions import WatchError
 
 from router.errors import APIError
-from workers.cluster_keys import ROLES, ClusterKeys, ControllerState, PoolTarget
-from workers.protocol import pack, unpack
+from workers.protocol.cluster_keys import ROLES, ClusterKeys, ControllerState, PoolTarget
+from workers.protocol.messages import pack, unpack
 
 pools_api = APIRouter()
 

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.protocol import TokenChunk
-from workers.tokenizer import Tokenizer
+from workers.model.tokenizer import Tokenizer
+from workers.protocol.messages import TokenChunk
 
 
 @dataclass

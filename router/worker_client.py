@@ -8,10 +8,10 @@ import contextlib
 from collections.abc import AsyncGenerator, Mapping
 from typing import Protocol
 
-from workers.decode_service import DecodeService
-from workers.engine_service import EngineService
-from workers.named_actors import NamedActors
-from workers.protocol import GenerateRequest, TokenChunk
+from workers.protocol.messages import GenerateRequest, TokenChunk
+from workers.service.base import EngineService
+from workers.service.decode import DecodeService
+from workers.service.named_actors import NamedActors
 
 
 class WorkerUnreachable(Exception):

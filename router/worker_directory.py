@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from workers.cluster_keys import ClusterKeys, WorkerInfo
-from workers.protocol import WorkerLoad, unpack
+from workers.protocol.cluster_keys import ClusterKeys, WorkerInfo
+from workers.protocol.messages import WorkerLoad, unpack
 
 log = logging.getLogger(__name__)
 

@@ -18,17 +18,16 @@ torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def default_source():
-    from workers.model_cache import prepared_source
-    from workers.model_loader import resolve_model_source
+    from workers.model.open_model import open_model
 
-    return prepared_source(resolve_model_source(None))
+    return open_model(None).source
 
 
 @pytest.fixture(scope="session")
 def default_model_and_tokenizer(default_source):
     """Our model and tokenizer, shared by every engine built in tests (engines keep KV apart)."""
-    from workers.config import EngineConfig
-    from workers.engine import Engine
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
 
     engine = Engine(EngineConfig(model=str(default_source.path), num_kv_blocks=16))
     return engine.model, engine.tokenizer
@@ -36,8 +35,8 @@ def default_model_and_tokenizer(default_source):
 
 @pytest.fixture(scope="session")
 def make_engine(default_model_and_tokenizer):
-    from workers.config import EngineConfig
-    from workers.engine import Engine
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
 
     model, tokenizer = default_model_and_tokenizer
 
@@ -53,7 +52,7 @@ def hf_reference():
     """HF transformers' model and tokenizer from the very same GGUF file, fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.model_loader import default_model_path
+    from workers.model.loader import default_model_path
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from workers.model import LlamaModel
-from workers.model_config import ModelConfig
+from workers.model.config import ModelConfig
+from workers.model.llama import LlamaModel
 
 
 def tiny_config(vocab_size: int = 49152, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,

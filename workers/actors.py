@@ -5,7 +5,7 @@
     async for chunk in stream_generate(d, GenerateRequest(..., prefill_worker="prefill-0")): ...
 
 Actors are named (their worker id) so decode workers find prefill workers by id. Messages cross as
-msgpack bytes (``workers.protocol``); the decode worker's ``generate`` is a Ray streaming generator,
+msgpack bytes (``workers.protocol.messages``); the decode worker's ``generate`` is a Ray streaming generator,
 and cancelling it (``ray.cancel``) cancels the request on every worker it touched.
 """
 
@@ -18,15 +18,17 @@ from typing import Any
 
 import ray
 
-from workers.config import EngineConfig, WorkerResources
-from workers.decode_service import DecodeService
-from workers.engine import Engine
-from workers.engine_service import EngineService
-from workers.kv_transport import KVTransport, make_transport
-from workers.prefill_clients import RayPrefillClient
-from workers.prefill_service import PrefillService
-from workers.protocol import GenerateRequest, PrefillRequest, TokenChunk, pack, unpack
-from workers.publisher import PublishConfig
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.protocol.messages import GenerateRequest, PrefillRequest, TokenChunk, pack, unpack
+from workers.resources import WorkerResources
+from workers.service.base import EngineService
+from workers.service.decode import DecodeService
+from workers.service.prefill import PrefillService
+from workers.service.prefill_clients import RayPrefillClient
+from workers.service.publisher import PublishConfig
+from workers.transport.base import KVTransport
+from workers.transport.factory import make_transport
 
 
 def _build(engine_config: EngineConfig, resources: WorkerResources, transport: str) -> tuple[Engine, KVTransport]:

@@ -27,11 +27,12 @@ import torch  # noqa: E402
 
 from tests.prompts import text_of_tokens  # noqa: E402
 from workers.actors import start_decode_worker, start_prefill_worker, stream_generate  # noqa: E402
-from workers.config import EngineConfig, WorkerResources  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.nixl_transport import nixl_available  # noqa: E402
-from workers.protocol import GenerateRequest, sampling_to_dict  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+from workers.protocol.messages import GenerateRequest, sampling_to_dict  # noqa: E402
+from workers.protocol.sampling_params import SamplingParams  # noqa: E402
+from workers.resources import WorkerResources  # noqa: E402
+from workers.transport.nixl import nixl_available  # noqa: E402
 
 PROMPT_TOKENS = 1000
 THREADS = os.cpu_count() or 1

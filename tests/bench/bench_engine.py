@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kernels.bench import time_fn  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+from workers.protocol.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB_LO, VOCAB_HI = 100, 40000  # plain tokens, away from the special ones
 
@@ -86,7 +86,7 @@ class Bench:
     def _hf_static_batches(self, prompts: list[list[int]], outs: list[int], batch: int) -> tuple[float, int]:
         from transformers import AutoModelForCausalLM
 
-        from workers.model_loader import default_model_path
+        from workers.model.loader import default_model_path
 
         path = default_model_path()
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)

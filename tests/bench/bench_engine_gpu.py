@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.tiny_model import save_random_hf_model, smollm2_shaped_hf_config  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+from workers.protocol.sampling_params import SamplingParams  # noqa: E402
 
 T = TypeVar("T")
 EngineFactory = Callable[..., Engine]

@@ -41,26 +41,25 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import httpx  # noqa: E402
 
 from cluster.embedded_redis import EmbeddedRedis  # noqa: E402
-from router.app import RouterConfig  # noqa: E402
 from router.policy import PolicyConfig  # noqa: E402
 from router.prefix_index import PrefixIndex  # noqa: E402
+from router.state import RouterConfig  # noqa: E402
 from router.worker_client import LocalWorkerClient  # noqa: E402
 from tests.router.serve import AppServer, serve_app, serve_router  # noqa: E402
 from tests.tiny_model import tiny_model  # noqa: E402
-from workers.block_hash import hash_prompt_blocks  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.decode_service import DecodeService  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.model import LlamaModel  # noqa: E402
-from workers.model_cache import prepared_source  # noqa: E402
-from workers.model_loader import resolve_model_source  # noqa: E402
-from workers.prefill_clients import LocalPrefillClient  # noqa: E402
-from workers.prefill_service import PrefillService  # noqa: E402
-from workers.protocol import GenerateRequest, sampling_to_dict  # noqa: E402
-from workers.publisher import PublishConfig  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
-from workers.tcp_transport import TcpTransport  # noqa: E402
-from workers.tokenizer import Tokenizer  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+from workers.model.llama import LlamaModel  # noqa: E402
+from workers.model.open_model import open_model  # noqa: E402
+from workers.model.tokenizer import Tokenizer  # noqa: E402
+from workers.protocol.block_hash import hash_prompt_blocks  # noqa: E402
+from workers.protocol.messages import GenerateRequest, sampling_to_dict  # noqa: E402
+from workers.protocol.sampling_params import SamplingParams  # noqa: E402
+from workers.service.decode import DecodeService  # noqa: E402
+from workers.service.prefill import PrefillService  # noqa: E402
+from workers.service.prefill_clients import LocalPrefillClient  # noqa: E402
+from workers.service.publisher import PublishConfig  # noqa: E402
+from workers.transport.tcp import TcpTransport  # noqa: E402
 
 BS = 16
 SYSTEM_TOKENS = 1000
@@ -122,7 +121,7 @@ async def drive(urls: list[str], prompts: list[list[int]], concurrency: int) -> 
 
 
 def run_prefix(args: argparse.Namespace) -> None:
-    tokenizer = Tokenizer.load(prepared_source(resolve_model_source(None)))
+    tokenizer = Tokenizer.load(open_model(None).source)
     labels = (("round_robin", "round_robin", 1), ("prefix_aware", "prefix_aware", 1),
               ("prefix_aware x2 routers", "prefix_aware", 2))
     hit_rates: dict[str, list[float]] = {label: [] for label, _, _ in labels}
@@ -230,9 +229,9 @@ def run_overhead(args: argparse.Namespace) -> None:
 
     from router.worker_client import RayWorkerClient
     from workers.actors import start_decode_worker, stream_generate
-    from workers.config import WorkerResources
+    from workers.resources import WorkerResources
 
-    tokenizer = Tokenizer.load(prepared_source(resolve_model_source(None)))
+    tokenizer = Tokenizer.load(open_model(None).source)
     rng = random.Random(1)
     # As deployed (``tandem serve``): the decode worker is a Ray actor in its own process, the router
     # (in this process) reaches it through Ray. The direct path calls the same actor the same way.

@@ -31,9 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from workers.kv_transport import KVTransport, make_transport  # noqa: E402
-from workers.nixl_transport import nixl_available  # noqa: E402
-from workers.tcp_transport import TcpTransport  # noqa: E402
+from workers.transport.base import KVTransport  # noqa: E402
+from workers.transport.factory import make_transport  # noqa: E402
+from workers.transport.nixl import nixl_available  # noqa: E402
+from workers.transport.tcp import TcpTransport  # noqa: E402
 
 SHAPE = (30, 2, 96, 16, 3, 64)  # 96 blocks of 737,280 bytes (all slabs)
 NUM_BLOCKS = 89  # 89 x 737,280 bytes = 62.6 MiB ~ 64 MiB

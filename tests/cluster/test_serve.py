@@ -15,7 +15,7 @@ import pytest
 
 from tests.cluster.processes import start_serve, stop_group, wait_ready
 from tests.router.serve import free_port
-from workers.sampling_params import SamplingParams
+from workers.protocol.sampling_params import SamplingParams
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import pytest
 
 from tests.cluster.processes import stop_group
 from tests.router.serve import free_port
-from workers.sampling_params import SamplingParams
+from workers.protocol.sampling_params import SamplingParams
 
 RAY = str(Path(sys.executable).parent / "ray")
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels import cpu_kernel, paged_decode_attention, resolve_backend
+from kernels.host_math import cdiv
 from kernels.reference import paged_decode_attention_ref
 from tests.kernels.test_triton_kernels import make_cache, shuffled_tables
 
@@ -28,7 +29,7 @@ def kernel_built() -> None:
 def test_decode_matches_reference(gqa: int, head_dim: int, block_size: int) -> None:
     num_heads, num_kv_heads = GQA[gqa]
     seq_lens = [1, block_size, block_size + 1, 3 * block_size, 77, 1000]
-    num_blocks = len(seq_lens) * -(-max(seq_lens) // block_size) + 8  # each row padded to the longest
+    num_blocks = len(seq_lens) * cdiv(max(seq_lens), block_size) + 8  # each row padded to the longest
     kc, vc = make_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
     tables = shuffled_tables(seq_lens, block_size, num_blocks)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -59,9 +60,9 @@ def test_a_length_past_the_block_table_is_an_error_not_a_crash() -> None:
 
 def test_engine_greedy_output_with_the_cpu_kernel_equals_torch(default_model_and_tokenizer) -> None:
     from tests.tiny_model import tiny_model
-    from workers.config import EngineConfig
-    from workers.engine import Engine
-    from workers.sampling_params import SamplingParams
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+    from workers.protocol.sampling_params import SamplingParams
 
     model = tiny_model(seed=5, num_heads=6, num_kv_heads=2, head_dim=32)
     prompts = [[1, 5, 9, 200, 3000], list(range(100, 141)), [7] * 17]

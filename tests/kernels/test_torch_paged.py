@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.host_math import cdiv
 from kernels.length_groups import length_groups
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
 from kernels.torch_decode import paged_decode_attention_torch
@@ -18,7 +19,7 @@ def make_cache(num_blocks=600, bs=16, kvh=2, d=32, seed=0):
 
 def tables(seq_lens, bs, num_blocks, seed=0):
     g = torch.Generator().manual_seed(seed)
-    width = max(-(-n // bs) for n in seq_lens)
+    width = max(cdiv(n, bs) for n in seq_lens)
     perm = torch.randperm(num_blocks, generator=g)[: width * len(seq_lens)]
     return perm.view(len(seq_lens), width).int()  # shuffled, non-contiguous
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from kernels.host_math import cdiv
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,7 +31,7 @@ def make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
 
 def shuffled_tables(seq_lens, block_size, num_blocks, seed=0):
     g = torch.Generator().manual_seed(seed)
-    width = max(-(-n // block_size) for n in seq_lens)
+    width = max(cdiv(n, block_size) for n in seq_lens)
     ids = torch.randperm(num_blocks, generator=g)[: width * len(seq_lens)]
     return ids.view(len(seq_lens), width).to(DEVICE, torch.int32)
 
@@ -114,9 +115,9 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
 
 def test_engine_greedy_output_with_triton_equals_torch(default_model_and_tokenizer):
     from tests.tiny_model import tiny_model
-    from workers.config import EngineConfig
-    from workers.engine import Engine
-    from workers.sampling_params import SamplingParams
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+    from workers.protocol.sampling_params import SamplingParams
 
     model = tiny_model(seed=5)  # head_dim 16, GQA 2
     tokenizer = default_model_and_tokenizer[1]

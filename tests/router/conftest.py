@@ -8,15 +8,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from router.app import RouterConfig
 from router.policy import PolicyConfig
+from router.state import RouterConfig
 from router.worker_client import LocalWorkerClient
 from tests.router.serve import AppServer, serve_router
-from workers.decode_service import DecodeService
-from workers.prefill_clients import LocalPrefillClient
-from workers.prefill_service import PrefillService
-from workers.publisher import PublishConfig
-from workers.tcp_transport import TcpTransport
+from workers.service.decode import DecodeService
+from workers.service.prefill import PrefillService
+from workers.service.prefill_clients import LocalPrefillClient
+from workers.service.publisher import PublishConfig
+from workers.transport.tcp import TcpTransport
 
 MODEL = "tandem-test"
 

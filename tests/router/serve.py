@@ -11,9 +11,10 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from router.app import RouterConfig, create_app
+from router.app import create_app
+from router.state import RouterConfig
 from router.worker_client import WorkerClient
-from workers.tokenizer import Tokenizer
+from workers.model.tokenizer import Tokenizer
 
 
 @dataclass

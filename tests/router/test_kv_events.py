@@ -16,12 +16,12 @@ from router.kv_event_consumer import KVEventConsumer
 from router.prefix_index import PrefixIndex
 from router.worker_directory import WorkerDirectory
 from tests.prompts import text_of_tokens
-from workers.cluster_keys import ClusterKeys, WorkerInfo
-from workers.decode_service import DecodeService
-from workers.protocol import GenerateRequest, WorkerLoad, pack, sampling_to_dict
-from workers.publisher import PublishConfig
-from workers.sampling_params import SamplingParams
-from workers.tcp_transport import TcpTransport
+from workers.protocol.cluster_keys import ClusterKeys, WorkerInfo
+from workers.protocol.messages import GenerateRequest, WorkerLoad, pack, sampling_to_dict
+from workers.protocol.sampling_params import SamplingParams
+from workers.service.decode import DecodeService
+from workers.service.publisher import PublishConfig
+from workers.transport.tcp import TcpTransport
 
 
 @pytest.fixture

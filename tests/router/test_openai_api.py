@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.router.conftest import MODEL
-from workers.sampling_params import SamplingParams
+from workers.protocol.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

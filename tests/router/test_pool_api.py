@@ -9,11 +9,12 @@ import httpx
 import pytest
 import redis
 
-from router.app import RouterConfig, create_app
+from router.app import create_app
+from router.state import RouterConfig
 from router.worker_client import LocalWorkerClient
 from tests.router.serve import serve_app
-from workers.cluster_keys import ClusterKeys, ControllerState, PoolTarget
-from workers.protocol import pack, unpack
+from workers.protocol.cluster_keys import ClusterKeys, ControllerState, PoolTarget
+from workers.protocol.messages import pack, unpack
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from router.prefix_index import PrefixIndex
-from workers.block_hash import hash_prompt_blocks
+from workers.protocol.block_hash import hash_prompt_blocks
 
 BS = 4
 

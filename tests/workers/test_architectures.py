@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.workers.test_engine_vs_hf import full_prefill_logits
-from workers.config import EngineConfig
-from workers.engine import Engine
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.protocol.sampling_params import SamplingParams
 
 COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from workers.block_hash import hash_block, hash_prompt_blocks
+from workers.protocol.block_hash import hash_block, hash_prompt_blocks
 
 
 def reference_chain(token_ids: list[int], block_size: int, salt: str | None) -> list[int]:

@@ -10,11 +10,11 @@ import random
 
 import pytest
 
-from workers.block_pool import BlockPool
-from workers.kv_cache_manager import KVCacheManager
-from workers.kv_events import BlockRemoved, BlockStored
-from workers.request import Request
-from workers.sampling_params import SamplingParams
+from workers.engine.block_pool import BlockPool
+from workers.engine.kv_cache_manager import KVCacheManager
+from workers.engine.request import Request
+from workers.protocol.kv_events import BlockRemoved, BlockStored
+from workers.protocol.sampling_params import SamplingParams
 
 BS = 4
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.detokenizer import IncrementalDetokenizer
+from workers.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = "The rain in Spain stays mainly in the plain. 東京タワー 🚀🎉 naïve café END of story"
 
@@ -54,7 +54,7 @@ def test_held_back_prefix_released_when_stop_never_comes(tokenizer):
 
 def test_engine_stop_string_finishes_with_reason(make_engine):
     engine = make_engine()
-    from workers.sampling_params import SamplingParams
+    from workers.protocol.sampling_params import SamplingParams
 
     chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
     full = engine.generate([chat], SamplingParams(max_tokens=32, temperature=0))[0]

@@ -11,13 +11,13 @@ import redis
 
 from tests.prompts import text_of_tokens
 from tests.workers.test_services import collect, request
-from workers.cluster_keys import ClusterKeys
-from workers.decode_service import DecodeService
-from workers.prefill_clients import LocalPrefillClient
-from workers.prefill_service import PrefillService
-from workers.publisher import PublishConfig
-from workers.sampling_params import SamplingParams
-from workers.tcp_transport import TcpTransport
+from workers.protocol.cluster_keys import ClusterKeys
+from workers.protocol.sampling_params import SamplingParams
+from workers.service.decode import DecodeService
+from workers.service.prefill import PrefillService
+from workers.service.prefill_clients import LocalPrefillClient
+from workers.service.publisher import PublishConfig
+from workers.transport.tcp import TcpTransport
 
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 

@@ -15,9 +15,9 @@ import torch
 
 from tests.tiny_model import save_random_hf_model, smollm2_shaped_hf_config
 from tests.workers.test_engine_vs_hf import full_prefill_logits
-from workers.config import EngineConfig
-from workers.engine import Engine
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.protocol.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from workers.config import EngineConfig
-from workers.engine import Engine
-from workers.errors import CapacityError, InvalidRequestError, ModelLoadError
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.protocol.errors import CapacityError, InvalidRequestError, ModelLoadError
+from workers.protocol.sampling_params import SamplingParams
 
 
 def test_prompt_longer_than_max_model_len(make_engine):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from tests.prompts import text_of_tokens
-from workers.engine import Engine
-from workers.request import RequestStatus
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine
+from workers.engine.request import RequestStatus
+from workers.protocol.sampling_params import SamplingParams
 
 
 def handoff(prefill: Engine, decode: Engine, prompt, params: SamplingParams, rid: str) -> tuple[list[int], str]:

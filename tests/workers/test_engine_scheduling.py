@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.sampling_params import SamplingParams
+from workers.protocol.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.host_math import cdiv
 from tests.prompts import reference_prompts
-from workers.attention_metadata import AttentionMetadata
-from workers.sampling_params import SamplingParams
+from workers.model.attention_metadata import AttentionMetadata
+from workers.protocol.sampling_params import SamplingParams
 
 NUM_NEW = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0)
@@ -113,7 +114,7 @@ def test_after_prefix_cache_filled(make_engine, prompt_ids, hf_outputs):
 def full_prefill_logits(model, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one prompt prefilled into a fresh paged cache (on the model's device)."""
     cfg, n, bs, dev = model.config, len(ids), 16, model.device
-    num_blocks = -(-n // bs)
+    num_blocks = cdiv(n, bs)
     kv = torch.zeros(cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, device=dev, dtype=model.dtype)
     empty = torch.zeros(0, 1, dtype=torch.int32, device=dev)
     md = AttentionMetadata(

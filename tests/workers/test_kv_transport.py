@@ -14,10 +14,12 @@ import time
 import pytest
 import torch
 
-from workers import tcp_transport
-from workers.kv_transport import BlockRun, KVTransport, TransferError, coalesce_runs, make_transport
-from workers.nixl_transport import nixl_available
-from workers.tcp_transport import TcpTransport
+from workers.protocol.errors import TransferError
+from workers.transport import tcp as tcp_transport
+from workers.transport.base import BlockRun, KVTransport, coalesce_runs
+from workers.transport.factory import make_transport
+from workers.transport.nixl import nixl_available
+from workers.transport.tcp import TcpTransport
 
 SHAPE = (3, 2, 40, 4, 2, 8)  # layers, K/V, blocks, block_size, kv_heads, head_dim
 BACKENDS = ["tcp", "tcp-sockets", "nccl",  # nccl: gloo between CPU caches, the same code path
@@ -141,7 +143,7 @@ BIG_SHAPE = (4, 2, 64, 16, 4, 64)  # 128 KiB per block over all slabs: 48 blocks
 def test_a_large_transfer_split_across_lanes_lands_exactly(backend, remote_peer, remote_shape):
     """Past copy_lanes.PARALLEL_MIN_BYTES the same-host tcp copy and nixl split the bytes over two
     threads; every byte still lands where it belongs, and a dead peer still fails cleanly."""
-    from workers.copy_lanes import PARALLEL_MIN_BYTES
+    from workers.transport.copy_lanes import PARALLEL_MIN_BYTES
 
     a = make(backend)
     a.register(torch.randn(BIG_SHAPE))

@@ -15,12 +15,22 @@ import time
 
 import pytest
 
+from kernels.host_math import cdiv
 from tests.prompts import reference_prompts, text_of_tokens
-from workers.config import EngineConfig, WorkerResources
-from workers.nixl_transport import nixl_available
-from workers.protocol import GenerateRequest, PrefillRequest, TokenChunk, WorkerLoad, pack, sampling_to_dict, unpack
-from workers.publisher import PublishConfig
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.protocol.messages import (
+    GenerateRequest,
+    PrefillRequest,
+    TokenChunk,
+    WorkerLoad,
+    pack,
+    sampling_to_dict,
+    unpack,
+)
+from workers.protocol.sampling_params import SamplingParams
+from workers.resources import WorkerResources
+from workers.service.publisher import PublishConfig
+from workers.transport.nixl import nixl_available
 
 ray = pytest.importorskip("ray")
 from workers.actors import start_decode_worker, start_prefill_worker, stream_generate  # noqa: E402
@@ -196,7 +206,7 @@ def test_transfer_to_a_dead_or_silent_decode_worker_fails_in_time(tcp_cluster, m
         os.kill(info["pid"], signal.SIGSTOP)
     tokenizer = make_engine().tokenizer
     prompt = tokenizer.encode(text_of_tokens(tokenizer, 200, seed=3))
-    nblocks = -(-len(prompt) // 16)
+    nblocks = cdiv(len(prompt), 16)
     request = PrefillRequest("to-victim", prompt, sampling_to_dict(GREEDY), None, info["kv_address"],
                              list(range(nblocks)), 0, timeout_s=3.0)
     t0 = time.monotonic()
@@ -218,8 +228,8 @@ def test_router_over_ray_workers_with_the_openai_client(tcp_cluster, redis_url, 
     import httpx
     import openai
 
-    from router.app import RouterConfig
     from router.policy import PolicyConfig
+    from router.state import RouterConfig
     from router.worker_client import RayWorkerClient
     from tests.router.serve import serve_router
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from workers.same_host_copy import host_identity, write_to_process
+from workers.transport.same_host_copy import host_identity, write_to_process
 
 
 def test_spans_land_exactly_even_past_one_call_of_iov_max():

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tests.tiny_model import tiny_model
-from workers.config import EngineConfig
-from workers.engine import Engine
-from workers.sampler import sample
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.sampler import sample
+from workers.protocol.sampling_params import SamplingParams
 
 NUM_DRAWS = 20000
 
@@ -101,7 +101,7 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
 def test_top_p_over_candidates_keeps_what_a_full_sort_keeps():
     """Peaked rows (nucleus inside the top-k candidates) and flat ones (wider: the full-sort fallback),
     over a real-sized vocabulary, against the whole-vocabulary sort."""
-    from workers.sampler import NUCLEUS_CANDIDATES, top_p_drop
+    from workers.engine.sampler import NUCLEUS_CANDIDATES, top_p_drop
 
     g = torch.Generator().manual_seed(0)
     vocab = 49152

@@ -12,12 +12,12 @@ import socket
 import pytest
 
 from tests.prompts import text_of_tokens
-from workers.decode_service import DecodeService
-from workers.prefill_clients import LocalPrefillClient
-from workers.prefill_service import PrefillService
-from workers.protocol import GenerateRequest, TokenChunk, sampling_to_dict
-from workers.sampling_params import SamplingParams
-from workers.tcp_transport import TcpTransport
+from workers.protocol.messages import GenerateRequest, TokenChunk, sampling_to_dict
+from workers.protocol.sampling_params import SamplingParams
+from workers.service.decode import DecodeService
+from workers.service.prefill import PrefillService
+from workers.service.prefill_clients import LocalPrefillClient
+from workers.transport.tcp import TcpTransport
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 

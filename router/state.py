@@ -1,0 +1,66 @@
+"""What one router holds while it serves: its config, and the state ``create_app``'s lifespan builds
+on ``app.state.router`` (handlers read it from there; no module globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import redis.asyncio as aioredis
+
+from router.dispatch import Dispatcher
+from router.errors import no_worker_error
+from router.kv_event_consumer import KVEventConsumer
+from router.metrics import RouterMetrics
+from router.policy import PolicyConfig
+from router.prefix_index import PrefixIndex
+from router.worker_client import WorkerClient
+from router.worker_directory import WorkerDirectory
+from workers.model.open_model import open_model
+from workers.model.tokenizer import Tokenizer
+
+
+@dataclass
+class RouterConfig:
+    redis_url: str
+    cluster: str = "default"
+    # The model file (for the tokenizer; the same as the workers'); None: the bundled default.
+    model: str | None = None
+    # The name clients send as ``model``; None: the model file's stem.
+    served_model_name: str | None = None
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # How long the router's own routing decisions count as cached blocks before events confirm them.
+    approx_ttl_s: float = 2.0
+    poll_interval_s: float = 0.05
+    metrics_timeout_s: float = 2.0
+
+
+class ClusterShape(NamedTuple):
+    block_size: int
+    max_model_len: int
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    model_name: str
+    tokenizer: Tokenizer
+    redis: aioredis.Redis
+    directory: WorkerDirectory
+    index: PrefixIndex
+    consumer: KVEventConsumer
+    dispatcher: Dispatcher
+    metrics: RouterMetrics
+    client: WorkerClient
+
+    def cluster_shape(self) -> ClusterShape:
+        """Block size and the longest request every decode worker takes; 503 with no decode worker."""
+        decoders = self.directory.live("decode")
+        if not decoders:
+            raise no_worker_error("decode")
+        return ClusterShape(decoders[0].info.block_size, min(e.info.max_model_len for e in decoders))
+
+
+def load_tokenizer(model: str | None) -> tuple[Tokenizer, str]:
+    opened = open_model(model)
+    return Tokenizer.load(opened.source), opened.name

@@ -1,0 +1,1 @@
+"""One inference engine: continuous batching over a paged KV cache with prefix caching."""

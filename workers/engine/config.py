@@ -1,0 +1,33 @@
+"""Knobs of one engine (one prefill or decode worker). ``cluster/config.py`` composes these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22K tokens of SmolLM2-135M KV in fp32
+
+
+@dataclass
+class EngineConfig:
+    # GGUF file or HF directory (config.json + safetensors); None: the bundled SmolLM2-135M.
+    model: str | None = None
+    # "auto": float32 on CPU, bfloat16 on CUDA.
+    dtype: str = "auto"
+    # "auto": CUDA when available, else CPU.
+    device: str = "auto"
+    # None: the model's maximum positions.
+    max_model_len: int | None = None
+    block_size: int = 16
+    # KV pool size: a block count wins over bytes; bytes default to DEFAULT_KV_CACHE_BYTES.
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    max_num_seqs: int = 64
+    # Token budget of one engine step (decodes + prefill chunks).
+    max_num_batched_tokens: int = 8192
+    # Most prompt tokens one request may prefill in one step (chunked prefill); None: no cap.
+    prefill_chunk_size: int | None = 512
+    enable_prefix_caching: bool = True
+    # Attention backend for kernels.dispatch: None picks Triton on CUDA, torch elsewhere.
+    attention_backend: str | None = None
+    # Seed of the generator used by requests that bring none.
+    seed: int = 0

@@ -1,0 +1,123 @@
+"""Turns a scheduled step into tensors, runs the model over the paged KV cache, samples.
+
+The only place in the engine that touches tensors (scheduler and block pool are plain Python).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+
+import kernels
+from workers.engine.request import Request
+from workers.engine.sampler import draw, sample
+from workers.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from workers.model.attention_metadata import AttentionMetadata
+from workers.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
+                 attention_backend: str | None = None, seed: int = 0):
+        cfg = model.config
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        # Resolved now: a bad name fails at start, and the CPU kernel is built (once per machine) before
+        # the first request rather than during it.
+        self.attention_backend = kernels.resolve_backend(self.device, attention_backend)
+        # One tensor for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            device=self.device, dtype=model.dtype,
+        )
+        self._rng = random.Random(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def execute(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]]) -> list[SampledToken | None]:
+        """Run one step; returns, per scheduled chunk in order, its sampled token or None."""
+        chunks = out.chunks
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new_tokens != 1)  # decodes first
+        rows = [chunks[i] for i in order]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        tables: list[list[int]] = []
+        for chunk in rows:
+            req, start, n = chunk.request, chunk.request.num_computed_tokens, chunk.num_new_tokens
+            table = block_ids_of(req.request_id)
+            tables.append(table)
+            input_ids.extend(req.token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            bs = self.block_size
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if chunk.samples:
+                logit_rows.append(len(input_ids) - 1)
+        attn = self._attention_metadata(rows, tables, slots)
+        dev = self.device
+        logits = self.model.forward(
+            torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
+            self.kv_cache, attn, torch.tensor(logit_rows, device=dev, dtype=torch.long),
+        )
+        sampling = [c.request for c in rows if c.samples]
+        token_ids, logprobs = sample(
+            logits, [r.sampling_params for r in sampling], [self._generator(r) for r in sampling]
+        )
+        results: list[SampledToken | None] = [None] * len(chunks)
+        sampled = iter(zip(token_ids, logprobs, strict=True))
+        for i, chunk in zip(order, rows, strict=True):
+            if chunk.samples:
+                results[i] = SampledToken(*next(sampled))
+        return results
+
+    def _attention_metadata(self, rows: Sequence[ScheduledChunk], tables: Sequence[list[int]],
+                            slots: list[int]) -> AttentionMetadata:
+        dev = self.device
+        num_decodes = sum(1 for c in rows if c.num_new_tokens == 1)
+        seq_lens = [c.request.num_computed_tokens + c.num_new_tokens for c in rows]
+        q_lens = [c.num_new_tokens for c in rows[num_decodes:]]
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=dev, dtype=torch.long),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=_pad_tables(tables[:num_decodes], dev),
+            decode_seq_lens=torch.tensor(seq_lens[:num_decodes], device=dev, dtype=torch.int32),
+            prefill_block_tables=_pad_tables(tables[num_decodes:], dev),
+            prefill_query_start_loc=torch.tensor(qsl, device=dev, dtype=torch.int32),
+            prefill_seq_lens=torch.tensor(seq_lens[num_decodes:], device=dev, dtype=torch.int32),
+            backend=self.attention_backend,
+            prefill_max_query_len=max(q_lens, default=0),
+        )
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        params = request.sampling_params
+        if params.is_greedy:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[request.request_id] = gen
+        return gen
+
+    def skip_sample(self, request: Request) -> None:
+        """Advance a sampled request's generator past one draw made elsewhere (its first token)."""
+        gen = self._generator(request)
+        if gen is not None:
+            draw(gen, self.device)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's generator (a preempted one keeps it: its stream continues)."""
+        self._generators.pop(request_id, None)
+
+
+def _pad_tables(tables: Sequence[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, device=device, dtype=torch.int32).view(len(tables), width)

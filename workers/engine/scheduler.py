@@ -1,0 +1,262 @@
+"""Iteration-level continuous batching under a token budget (no prefill/decode phases).
+
+Each step: running requests first (decodes, then unfinished prefill chunks), each taking
+``num_tokens - num_computed_tokens`` capped by the chunk size and the remaining budget; then
+waiting requests in arrival order, each admitted only if its blocks can be reserved. When the pool
+runs short for a running request, the newest running request is preempted (its blocks freed, its
+progress recomputed later, usually from the prefix cache) and the allocation retried.
+
+Disaggregated serving adds two twists. On a decode worker a ``remote_prefill`` request is admitted
+like any other, but its blocks are reserved for the whole prompt at once and it parks in
+``awaiting_kv`` (outside the batch, never preempted) until ``commit_remote_kv`` brings its KV and first
+token. On a prefill worker a ``hold_blocks_on_finish`` request keeps its blocks in ``held`` after
+finishing, until the KV has been sent (``release_held``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from workers.engine.config import EngineConfig
+from workers.engine.kv_cache_manager import KVCacheManager
+from workers.engine.request import Request, RequestStatus
+
+
+class ScheduledChunk(NamedTuple):
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token, so the step samples a new one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+class SampledToken(NamedTuple):
+    token_id: int
+    logprob: float | None
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # remote_prefill requests whose blocks were reserved this step (now in awaiting_kv).
+    kv_reserved: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int, eos_token_id: int | None):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.awaiting_kv: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+        self.num_prefix_hit_tokens_total = 0
+        self.num_prefill_tokens_total = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Work that steps can advance (requests awaiting remote KV wait for ``commit_remote_kv``)."""
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Retire a request (stopped, length, aborted) and give back its blocks."""
+        assert status.is_finished
+        if request.status.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_KV:
+            del self.awaiting_kv[request.request_id]
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        del self.requests[request.request_id]
+        if request.hold_blocks_on_finish and status is not RequestStatus.FINISHED_ABORTED:
+            self.held[request.request_id] = request
+        else:
+            self.kv_cache.free(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort a live request, or release a finished one's held blocks."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            return request
+        return self.release_held(request_id)
+
+    def release_held(self, request_id: str) -> Request | None:
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv_cache.free(request)
+        return request
+
+    def commit_remote_kv(self, request_id: str, token: SampledToken) -> Request | None:
+        """The prompt's KV has landed in the reserved blocks: join the batch with the first token."""
+        request = self.awaiting_kv.pop(request_id, None)
+        if request is None:
+            return None  # aborted meanwhile
+        request.remote_prefill = False  # a later preemption recomputes locally
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache.cache_full_blocks(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        request.append_output_token(token.token_id, token.logprob)
+        status = self._check_stop(request)
+        if status is not None:
+            self.finish_request(request, status)
+        return request
+
+    # ---- schedule ----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        limit = self.config.max_num_batched_tokens
+        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens != 1)
+        for request in decodes_first:
+            budget = limit - out.num_batched_tokens
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            num_new = self._chunk_len(request, budget)
+            if self._reserve_or_preempt(request, num_new, out):
+                out.chunks.append(ScheduledChunk(request, num_new))
+        if not out.preempted:
+            self._admit_waiting(out, limit - out.num_batched_tokens)
+        return out
+
+    def _chunk_len(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        chunk = self.config.prefill_chunk_size
+        return min(num_new, chunk) if chunk else num_new
+
+    def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            # The newest request may already hold a chunk of this step (a decode scheduled first).
+            out.chunks = [c for c in out.chunks if c.request is not victim]
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit from the head of the queue, first come first served, with one exception: a request
+        whose next block another request is computing right now waits (others pass it) until that
+        block is cached, then reuses it instead of computing the same prefix twice."""
+        if not self.waiting:
+            return  # the common decode-only step: no walk over the running requests' blocks
+        track = self.kv_cache.pool.enable_prefix_caching
+        in_flight = self._blocks_in_prefill() if track else set()
+        deferred: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            if in_flight and self._next_block_in_flight(request, num_cached, in_flight):
+                deferred.append(self.waiting.popleft())
+                continue
+            request.num_computed_tokens = num_cached
+            remote = request.remote_prefill
+            num_new = request.num_tokens - num_cached if remote else self._chunk_len(request, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+                request.num_computed_tokens = 0
+                break  # first come, first served: nobody overtakes the head
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+                self.num_prefix_hit_tokens_total += num_cached
+            if remote:  # no compute here: the blocks wait for the prefill worker's KV
+                request.status = RequestStatus.WAITING_FOR_KV
+                self.awaiting_kv[request.request_id] = request
+                out.kv_reserved.append(request)
+                continue
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            out.chunks.append(ScheduledChunk(request, num_new))
+            budget -= num_new
+            if track:
+                in_flight |= self._uncomputed_prompt_blocks(request)
+        self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
+
+    def _uncomputed_prompt_blocks(self, request: Request) -> set[int]:
+        bs = self.kv_cache.block_size
+        hashes = request.block_hashes(bs)[: request.num_prompt_tokens // bs]
+        return set(hashes[request.num_computed_tokens // bs :])
+
+    def _blocks_in_prefill(self) -> set[int]:
+        """Hashes of full prompt blocks that running requests have yet to compute."""
+        out: set[int] = set()
+        for request in self.running:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                out |= self._uncomputed_prompt_blocks(request)
+        return out
+
+    def _next_block_in_flight(self, request: Request, num_cached: int, in_flight: set[int]) -> bool:
+        hashes = request.block_hashes(self.kv_cache.block_size)
+        index = num_cached // self.kv_cache.block_size
+        return index < len(hashes) and hashes[index] in in_flight
+
+    # ---- after the model ran ----
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: Iterable[SampledToken | None]
+    ) -> list[Request]:
+        """Advance progress, append sampled tokens, retire finished requests.
+
+        Returns the requests that received a token this step (finished ones included).
+        """
+        updated: list[Request] = []
+        for chunk, token in zip(out.chunks, sampled, strict=True):
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if chunk.num_new_tokens > 1 or request.num_output_tokens == 0:
+                self.num_prefill_tokens_total += chunk.num_new_tokens
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.kv_cache.cache_full_blocks(request)
+            if token is None:
+                continue
+            request.append_output_token(token.token_id, token.logprob)
+            updated.append(request)
+            status = self._check_stop(request)
+            if status is not None:
+                self.finish_request(request, status)
+        return updated
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if last in params.stop_token_ids:
+            request.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if last == self.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,118 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+Plain tensors, no nn.Module: Q/K/V and gate/up are fused into one matmul each, and logits are
+computed only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from workers.model.attention_metadata import AttentionMetadata
+from workers.model.config import ModelConfig
+from workers.model.rope import RotaryEmbedding, apply_rope
+from workers.protocol.errors import ModelLoadError
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 KVH) D, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor  # [hidden, H D]
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 I, hidden]
+    down: torch.Tensor  # [hidden, I]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As HF computes it: normalize in fp32, cast back, then scale."""
+    if x.dtype == torch.float32:  # torch's fused kernel does exactly that math in fp32
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ModelLoadError(f"weight {name!r} missing from checkpoint")
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.norm = take("model.norm.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.layers.append(LayerWeights(
+                attn_norm=take(p + "input_layernorm.weight"),
+                qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                qkv_bias=bias,
+                o_proj=take(p + "self_attn.o_proj.weight"),
+                mlp_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                down=take(p + "mlp.down_proj.weight"),
+            ))
+        self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                    config.rope_scaling, device, dtype)
+        self.scale = config.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D]
+        attn: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [N] rows whose next token is sampled
+    ) -> torch.Tensor:  # [N, vocab] float32
+        cfg = self.config
+        num_tokens = input_ids.shape[0]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.cos_sin(positions)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            # Q and K are adjacent in each row: rotate both heads-sets in one pass.
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(num_tokens, -1, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=attn.backend)
+            o = self._attention(q, k_cache, v_cache, attn)
+            h += F.linear(o.reshape(num_tokens, q_size), layer.o_proj)
+            x = rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h += F.linear(F.silu(gate) * up, layer.down)
+        h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   attn: AttentionMetadata) -> torch.Tensor:
+        nd = attn.num_decode_tokens
+        parts = []
+        if nd:
+            parts.append(kernels.paged_decode_attention(
+                q[:nd], k_cache, v_cache, attn.decode_block_tables, attn.decode_seq_lens,
+                scale=self.scale, backend=attn.backend))
+        if nd < q.shape[0]:
+            parts.append(kernels.paged_prefill_attention(
+                q[nd:], k_cache, v_cache, attn.prefill_block_tables, attn.prefill_query_start_loc,
+                attn.prefill_seq_lens, scale=self.scale, backend=attn.backend,
+                max_query_len=attn.prefill_max_query_len))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

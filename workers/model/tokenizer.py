@@ -1,0 +1,59 @@
+"""Tokenizer and chat template from the model's own source (GGUF metadata or HF directory).
+
+Uses transformers' tokenizer classes so that encoding and chat templating are exactly HF's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from workers.model.loader import ModelSource
+from workers.protocol.errors import InvalidRequestError, ModelLoadError
+
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any):
+        self.hf = hf_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.vocab_size = len(hf_tokenizer)
+
+    @classmethod
+    def load(cls, source: ModelSource) -> Tokenizer:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
+        from transformers import AutoTokenizer
+
+        try:
+            if source.kind == "gguf":
+                tok = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.path.name)
+            else:
+                tok = AutoTokenizer.from_pretrained(str(source.path))
+        except Exception as e:  # transformers raises many kinds on a bad directory
+            raise ModelLoadError(f"cannot load tokenizer from {source.path}: {e}") from e
+        return cls(tok)
+
+    def encode(self, text: str) -> list[int]:
+        """A raw prompt, with the special tokens the model's tokenizer adds by default."""
+        return list(self.hf.encode(text))
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Chat messages rendered with the model's template plus the generation prompt, as HF does."""
+        validate_messages(messages)
+        text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+def validate_messages(messages: Sequence[dict[str, Any]]) -> None:
+    if not messages:
+        raise InvalidRequestError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise InvalidRequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise InvalidRequestError(f"messages[{i}].content must be a string")

@@ -1,0 +1,40 @@
+"""Typed errors of the engine. Routers map ``InvalidRequestError`` to HTTP 400."""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base of every error Tandem raises on purpose."""
+
+
+class InvalidRequestError(TandemError, ValueError):
+    """The request itself is wrong (bad parameter, prompt too long); the caller must change it."""
+
+
+class ModelLoadError(TandemError):
+    """The model path is missing, unreadable, or not a supported architecture."""
+
+
+class CapacityError(InvalidRequestError):
+    """The request is valid but can never fit this engine's KV pool."""
+
+
+class TransferError(TandemError):
+    """A KV transfer failed or timed out; the destination blocks hold no valid KV."""
+
+
+class WorkerStopped(TandemError):
+    """The worker stopped (drain timeout, shutdown) while it held the request."""
+
+
+def error_kind(error: BaseException) -> str:
+    """The kind a worker reports for a failed request (routers map it to an HTTP status)."""
+    if isinstance(error, CapacityError):
+        return "capacity"
+    if isinstance(error, InvalidRequestError):
+        return "invalid_request"
+    if isinstance(error, TransferError):
+        return "transfer"
+    if isinstance(error, WorkerStopped):
+        return "unavailable"
+    return "internal"

@@ -1,0 +1,185 @@
+"""A decode worker's logic, without Ray: admit, get the prompt's KV, stream tokens.
+
+    async for chunk in service.generate(GenerateRequest(...)): ...
+
+Remote prefill (``prefill_worker`` set): the engine reserves blocks for the whole prompt first (a
+prefill never starts without a home for its KV), then the prefill worker is asked to fill the
+blocks this worker does not already hold in its prefix cache; its first token joins the running
+batch. Local prefill (``prefill_worker`` None): the engine computes the prompt itself.
+
+Every exit path releases what the request holds: a failed prefill or transfer ends the stream with
+an error chunk and frees the reserved blocks; a consumer that goes away (cancel, disconnect) aborts
+the request, and if a prefill was in flight, cancels it and waits until it has ended so that no
+write can land in blocks already handed to someone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from workers.engine.engine import Engine, KVReservation, RequestOutput
+from workers.protocol.errors import WorkerStopped, error_kind
+from workers.protocol.messages import GenerateRequest, PrefillRequest, PrefillResult, TokenChunk, sampling_from_dict
+from workers.service.base import EngineService
+from workers.service.publisher import PublishConfig
+from workers.transport.base import KVTransport
+
+log = logging.getLogger(__name__)
+
+
+class PrefillClient(Protocol):
+    """How a decode worker reaches prefill workers (Ray handles in a cluster, direct calls in tests)."""
+
+    async def prefill(self, worker_id: str, request: PrefillRequest) -> PrefillResult: ...
+
+    async def cancel(self, worker_id: str, request_id: str) -> None: ...
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    reserved: asyncio.Future[KVReservation] | None = None
+    # Prompt tokens the prefill worker served from its own prefix cache (reported as cached too).
+    prefill_cached_tokens: int = 0
+
+
+class DecodeService(EngineService):
+    role = "decode"
+
+    def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, prefill_client: PrefillClient | None,
+                 transfer_timeout_s: float = 30.0, publish: PublishConfig | None = None):
+        self.prefill_client = prefill_client
+        self.transfer_timeout_s = transfer_timeout_s
+        self._streams: dict[str, _Stream] = {}
+        self._cleanups: set[asyncio.Future[None]] = set()
+        super().__init__(engine, transport, worker_id, self._on_reservations, publish)
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        rid = request.request_id
+        if rid in self._streams:
+            yield self._error_chunk(rid, ValueError(f"request id {rid!r} is already streaming here"))
+            return
+        if self._closed:
+            yield self._error_chunk(rid, WorkerStopped(f"worker {self.worker_id} has stopped"))
+            return
+        remote = request.prefill_worker is not None and self.prefill_client is not None
+        stream = _Stream(asyncio.get_running_loop())
+        if remote:
+            stream.reserved = stream.loop.create_future()
+        self._streams[rid] = stream
+        self.num_requests_started += 1
+        finished = False
+        prefill_call: asyncio.Future[PrefillResult] | None = None
+        try:
+            try:
+                await self.loop.run(lambda e: e.add_request(
+                    request.prompt_token_ids, sampling_from_dict(request.sampling), request_id=rid,
+                    cache_salt=request.cache_salt, remote_prefill=remote))
+            except Exception as e:  # noqa: BLE001 - bad input becomes an error chunk, never a crash
+                finished = True
+                yield self._error_chunk(rid, e)
+                return
+            if remote:
+                assert stream.reserved is not None and request.prefill_worker is not None
+                reservation = await stream.reserved
+                prefill_call = asyncio.ensure_future(self._prefill(request, reservation))
+                try:
+                    result = await asyncio.shield(prefill_call)
+                except Exception as e:  # noqa: BLE001 - the stream ends with the reason
+                    await self.loop.run(lambda eng: eng.abort(rid))
+                    finished = True
+                    yield self._error_chunk(rid, e)
+                    return
+                first = await self.loop.run(lambda e: e.commit_remote_kv(rid, result.token_id, result.logprob))
+                if first is None:
+                    return  # aborted meanwhile
+                finished = first.finished
+                stream.prefill_cached_tokens = result.num_cached_tokens
+                yield self._chunk(first, stream)
+            while not finished:
+                item = await stream.outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    yield self._error_chunk(rid, item)
+                    return
+                finished = item.finished
+                yield self._chunk(item, stream)
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                # Its own task: a consumer cancelled by a scope that keeps cancelling (anyio) must not
+                # cut the cleanup short and leave the request running.
+                cleanup = asyncio.ensure_future(self._cancel(request, prefill_call))
+                self._cleanups.add(cleanup)  # a strong reference until it is done
+                cleanup.add_done_callback(self._cleanups.discard)
+                await asyncio.shield(cleanup)
+
+    def num_in_flight(self) -> int:
+        return len(self._streams) + len(self._cleanups)
+
+    async def _prefill(self, request: GenerateRequest, reservation: KVReservation) -> PrefillResult:
+        assert self.prefill_client is not None and request.prefill_worker is not None
+        skip = reservation.num_cached_tokens // self.loop.engine.block_pool.block_size
+        return await self.prefill_client.prefill(request.prefill_worker, PrefillRequest(
+            request.request_id, request.prompt_token_ids, request.sampling, request.cache_salt,
+            self.transport.address(), reservation.block_ids[skip:], skip, self.transfer_timeout_s))
+
+    async def _cancel(self, request: GenerateRequest, prefill_call: asyncio.Future[PrefillResult] | None) -> None:
+        """Free everything of an abandoned request, after any in-flight prefill has ended."""
+        rid = request.request_id
+        if prefill_call is not None and not prefill_call.done():
+            assert self.prefill_client is not None and request.prefill_worker is not None
+            try:
+                await asyncio.wait_for(self.prefill_client.cancel(request.prefill_worker, rid), 5.0)
+                await asyncio.wait_for(asyncio.shield(prefill_call), self.transfer_timeout_s + 5.0)
+            except BaseException:  # noqa: BLE001 - ended, failed or gone: the blocks can go now
+                pass
+        await self.loop.run(lambda e: e.abort(rid))
+
+    # ---- chunks ----
+    def _chunk(self, out: RequestOutput, stream: _Stream) -> TokenChunk:
+        if out.finished and out.finish_reason:
+            self.metrics.finished(out.finish_reason)
+        return TokenChunk(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
+                          out.finish_reason, out.stop_reason, out.num_prompt_tokens, out.num_output_tokens,
+                          max(out.num_cached_tokens, stream.prefill_cached_tokens))
+
+    def _error_chunk(self, request_id: str, error: BaseException) -> TokenChunk:
+        kind = error_kind(error)
+        self.metrics.error(kind)
+        message = str(error) or type(error).__name__
+        return TokenChunk(request_id, finished=True, finish_reason="error", error=message, error_kind=kind)
+
+    # ---- engine thread ----
+    def _on_outputs(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+
+    def _on_reservations(self, reservations: list[KVReservation]) -> None:
+        for reservation in reservations:
+            stream = self._streams.get(reservation.request_id)
+            if stream is not None and stream.reserved is not None:
+                stream.loop.call_soon_threadsafe(_resolve, stream.reserved, reservation)
+
+    def _on_fatal(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
+            if stream.reserved is not None:
+                stream.loop.call_soon_threadsafe(_fail, stream.reserved, error)
+
+
+def _resolve(future: asyncio.Future[KVReservation], value: KVReservation) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future[KVReservation], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,124 @@
+"""One engine stepping on its own thread; other threads (the asyncio loop of a worker) talk to it
+through ``call``, which runs a function on the engine thread between two steps.
+
+The engine is plain single-threaded Python; this is the only place where a worker's threads meet
+it, so no lock is needed anywhere else. When there is nothing to step, the thread sleeps on its
+command queue instead of spinning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from workers.engine.engine import Engine, KVReservation, RequestOutput
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, on_outputs: Callable[[Engine, list[RequestOutput]], None],
+                 on_reservations: Callable[[list[KVReservation]], None] | None = None,
+                 on_step: Callable[[Engine, float], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None, name: str = "engine"):
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._on_reservations = on_reservations
+        self._on_step = on_step
+        self._on_fatal = on_fatal
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], concurrent.futures.Future[Any]] | None] = (
+            queue.SimpleQueue())
+        self._stopping = False
+        # OpenMP thread counts are per calling thread: a new thread starts from OMP_NUM_THREADS (Ray
+        # sets it to the actor's num_cpus), not from torch.set_num_threads of the thread that built us.
+        self._num_threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine)`` on the engine thread; its result or exception lands in the future."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._stopping:
+            future.set_exception(RuntimeError("the engine loop has stopped"))
+            return future
+        self._commands.put((fn, future))
+        return future
+
+    async def run(self, fn: Callable[[Engine], T]) -> T:
+        """``call`` for coroutines."""
+        return await asyncio.wrap_future(self.call(fn))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)
+        engine = self.engine
+        idle = True
+        while not self._stopping:
+            if not self._drain(block=idle or not engine.has_unfinished):
+                return
+            if not engine.has_unfinished:
+                idle = True
+                continue
+            try:
+                t0 = time.perf_counter()
+                outputs = engine.step()
+                seconds = time.perf_counter() - t0
+                idle = engine.last_step_num_tokens == 0
+                if self._on_step is not None:
+                    self._on_step(engine, seconds)
+                reservations = engine.take_reservations()
+                if reservations and self._on_reservations is not None:
+                    self._on_reservations(reservations)
+                if outputs:
+                    self._on_outputs(engine, outputs)
+            except BaseException as e:  # noqa: BLE001 - a broken engine must fail its requests, not hang them
+                log.exception("engine step failed; the worker stops serving")
+                self._stopping = True
+                if self._on_fatal is not None:
+                    self._on_fatal(e)
+                self._fail_queued(e)
+                return
+
+    def _fail_queued(self, error: BaseException) -> None:
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(error)
+
+    def _drain(self, block: bool) -> bool:
+        """Run queued commands (waiting a little for one if ``block``); False once told to stop."""
+        try:
+            item = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if item is None:
+                return False
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return True

@@ -1,0 +1,154 @@
+"""A worker's voice in Redis: its registration, a load report every ``interval_s`` (which doubles
+as the heartbeat: the key expires when the worker stops), and its KV events as a stream.
+
+    engine thread --submit(events)--> queue --> publisher thread --XADD / SET--> Redis
+
+Each stream entry carries the publisher's ``epoch`` (new at every start and after every Redis
+outage) and a ``seq`` that grows by one per entry, so a router can tell a gap (trimmed stream,
+lost connection) and reload the snapshot, which is rewritten every ``snapshot_interval_s``.
+Redis being down never stops the worker: the publisher logs, retries, and resyncs with a new epoch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import msgpack
+import redis
+
+from workers.protocol.cluster_keys import ClusterKeys, KVSnapshot, WorkerInfo
+from workers.protocol.kv_events import AllBlocksCleared, KVEvent, encode_events
+from workers.protocol.messages import WorkerLoad, pack
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    """Where a worker publishes (``None`` in place of one: a worker nobody routes to by Redis, e.g. tests)."""
+
+    redis_url: str
+    cluster: str = "default"
+    ray_namespace: str | None = None
+    interval_s: float = 0.1
+    snapshot_interval_s: float = 5.0
+
+# (load report, pending events, cached blocks as (hash, parent)), read on the engine thread in one go.
+SnapshotFn = Callable[[], tuple[WorkerLoad, list[KVEvent], list[tuple[int, int | None]]]]
+LoadFn = Callable[[], WorkerLoad]
+
+
+class WorkerPublisher:
+    def __init__(self, redis_url: str, keys: ClusterKeys, info: WorkerInfo, read_load: LoadFn,
+                 read_snapshot: SnapshotFn, interval_s: float = 0.1, snapshot_interval_s: float = 5.0,
+                 load_ttl_s: float = 5.0, stream_maxlen: int = 10_000):
+        self.keys = keys
+        self.info = info
+        self.interval_s = interval_s
+        self.snapshot_interval_s = snapshot_interval_s
+        self.load_ttl_ms = int(load_ttl_s * 1000)
+        self.stream_maxlen = stream_maxlen
+        self._read_load = read_load
+        self._read_snapshot = read_snapshot
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._events: queue.SimpleQueue[list[KVEvent]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._epoch = 0
+        self._seq = 0
+        self._last_id = "0-0"
+        self._in_sync = False
+        self._thread = threading.Thread(target=self._run, name=f"{info.worker_id}-publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, events: list[KVEvent]) -> None:
+        """Engine thread: queue one step's events (cheap; never touches the network)."""
+        if events:
+            self._events.put(events)
+
+    def close(self) -> None:
+        """Stop publishing and leave the registry at once (routers stop routing here); the worker's
+        keys go with it so nothing is left behind in Redis."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        worker = self.info.worker_id
+        try:
+            self._redis.hdel(self.keys.registry, worker)
+            self._redis.delete(self.keys.load(worker), self.keys.kv_stream(worker), self.keys.kv_snapshot(worker))
+        except redis.RedisError:
+            pass  # the load key expires by itself
+        self._redis.close()
+
+    # ---- publisher thread ----
+    def _run(self) -> None:
+        next_load = next_snapshot = 0.0
+        while not self._stop.is_set():
+            try:
+                if not self._in_sync:
+                    self._resync()  # its snapshot reports the load too
+                    next_snapshot = time.monotonic() + self.snapshot_interval_s
+                    next_load = time.monotonic() + self.interval_s
+                self._publish(self._drain(timeout_s=max(0.0, next_load - time.monotonic())))
+                now = time.monotonic()
+                if now >= next_snapshot:
+                    self._snapshot()  # reports the load as well
+                    next_snapshot = now + self.snapshot_interval_s
+                    next_load = now + self.interval_s
+                if now >= next_load:
+                    next_load = now + self.interval_s
+                    self._report_load(self._read_load())
+            except concurrent.futures.TimeoutError:
+                pass  # the engine is inside a long step; report at the next tick
+            except (redis.RedisError, OSError) as e:
+                if self._in_sync:
+                    log.warning("%s: Redis unreachable (%s); retrying", self.info.worker_id, e)
+                self._in_sync = False
+                self._stop.wait(1.0)
+            except Exception:  # noqa: BLE001 - e.g. the engine stopped; publishing is best effort
+                log.exception("%s: publishing failed", self.info.worker_id)
+                self._stop.wait(1.0)
+
+    def _drain(self, timeout_s: float) -> list[KVEvent]:
+        events: list[KVEvent] = []
+        try:
+            events.extend(self._events.get(timeout=timeout_s) if timeout_s > 0 else self._events.get_nowait())
+            while True:
+                events.extend(self._events.get_nowait())
+        except queue.Empty:
+            return events
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        if not events:
+            return
+        fields = {"epoch": self._epoch, "seq": self._seq + 1, "events": msgpack.packb(encode_events(events))}
+        stream_id = self._redis.xadd(self.keys.kv_stream(self.info.worker_id), fields,  # type: ignore[arg-type]
+                                     maxlen=self.stream_maxlen, approximate=True)
+        self._seq += 1
+        self._last_id = stream_id.decode() if isinstance(stream_id, bytes) else str(stream_id)
+
+    def _snapshot(self) -> None:
+        """Events up to now, then the cache they lead to, so the snapshot is exact at ``seq``."""
+        load, pending, blocks = self._read_snapshot()
+        self._publish(self._drain(timeout_s=0.0) + pending)
+        snap = KVSnapshot(self._epoch, self._seq, self._last_id, [[h, p] for h, p in blocks])
+        self._redis.set(self.keys.kv_snapshot(self.info.worker_id), pack(snap))
+        self._report_load(load)
+
+    def _resync(self) -> None:
+        """A new epoch: register, restart the stream with ``AllBlocksCleared``, write a snapshot."""
+        self._epoch = random.getrandbits(62)
+        self._seq = 0
+        self._redis.hset(self.keys.registry, self.info.worker_id, pack(self.info))
+        self._publish([AllBlocksCleared()])
+        self._snapshot()
+        self._in_sync = True
+
+    def _report_load(self, load: WorkerLoad) -> None:
+        load = replace(load, kv_events_epoch=self._epoch, kv_events_seq=self._seq)
+        self._redis.set(self.keys.load(self.info.worker_id), pack(load), px=self.load_ttl_ms)

@@ -1,0 +1,1 @@
+"""KV transports: write a prefill worker's KV blocks into a decode worker's cache."""
