@@ -102,7 +102,8 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
     async def models(request: Request) -> dict[str, object]:
         state: RouterState = request.app.state.router
         decoders = state.directory.live("decode")
-        entry: dict[str, object] = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "tandem"}
+        entry: dict[str, object] = {"id": state.model_name, "object": "model", "created": state.created,
+                                    "owned_by": "tandem"}
         if decoders:
             entry["max_model_len"] = min(e.info.max_model_len for e in decoders)
         return {"object": "list", "data": [entry]}

@@ -34,6 +34,7 @@ from router.worker_client import WorkerClient, WorkerUnreachable
 from router.worker_directory import WorkerDirectory, WorkerEntry
 from workers.protocol.block_hash import ROOT_HASH, hash_block, hash_prompt_blocks
 from workers.protocol.messages import GenerateRequest, TokenChunk
+from workers.protocol.sampling_params import SamplingParams
 
 # A remote prefill failing this way (transfer error, prefill worker gone or stopped) is retried locally.
 _RETRY_LOCALLY = ("transfer", "unavailable")
@@ -95,15 +96,15 @@ class Dispatcher:
         return Route(decode, prefill, overlaps.get(prefill, 0), needed)
 
     # ---- one request ----
-    async def generate(self, prompt_token_ids: list[int], sampling: dict[str, object], cache_salt: str | None,
-                       max_tokens: int, block_size: int) -> AsyncGenerator[TokenChunk, None]:
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None,
+                       block_size: int) -> AsyncGenerator[TokenChunk, None]:
         """Route and stream; the first chunk or an ``APIError`` tells the caller where it stands.
 
         A remote prefill that fails before the first token (transfer error, prefill worker gone) is
         retried once as a local prefill on the same decode worker: the client never sees it.
         """
         block_hashes = hash_prompt_blocks(prompt_token_ids, block_size, cache_salt)
-        route = self.route(prompt_token_ids, block_hashes, max_tokens, block_size)
+        route = self.route(prompt_token_ids, block_hashes, sampling.max_tokens, block_size)
         self._remember(route, block_hashes)
         for attempt in (route, replace(route, prefill_worker=None, prefill_overlap_blocks=0)):
             self.metrics.routed(attempt, block_size)
@@ -119,7 +120,7 @@ class Dispatcher:
             if started:
                 return
 
-    async def _attempt(self, route: Route, prompt_token_ids: list[int], sampling: dict[str, object],
+    async def _attempt(self, route: Route, prompt_token_ids: list[int], sampling: SamplingParams,
                        cache_salt: str | None, block_size: int) -> AsyncGenerator[TokenChunk, None]:
         """One call to the decode worker, counted in this router's in-flight figures while it lasts."""
         request = GenerateRequest(f"req-{uuid.uuid4().hex}", prompt_token_ids, sampling, cache_salt,

@@ -23,8 +23,8 @@ from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sse import EventStreamResponse, until_disconnect
 from router.state import RouterState
 from workers.protocol.errors import InvalidRequestError
-from workers.protocol.messages import TokenChunk, sampling_to_dict
-from workers.protocol.sampling_params import SamplingParams
+from workers.protocol.messages import TokenChunk
+from workers.protocol.sampling_params import SamplingParams, check_fits
 
 api = APIRouter()
 
@@ -60,20 +60,16 @@ def _tokenize(state: RouterState, body: ChatCompletionRequest | CompletionReques
     return ids
 
 
-def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int, max_model_len: int) -> dict:
+def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
+              max_model_len: int) -> SamplingParams:
     requested = body.requested_max_tokens
     if requested is None:  # OpenAI: 16 for text completions; chat runs to the model's length
         requested = 16 if isinstance(body, CompletionRequest) else max_model_len - num_prompt_tokens
-    if num_prompt_tokens + requested > max_model_len:
-        raise InvalidRequestError(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({requested}) exceeds the model's "
-            f"max_model_len {max_model_len}")
+    check_fits(num_prompt_tokens, requested, max_model_len)
     logprobs = bool(body.logprobs) if isinstance(body, ChatCompletionRequest) else body.logprobs is not None
-    params = SamplingParams(max_tokens=requested, temperature=body.temperature, top_p=body.top_p,
-                            top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
-                            ignore_eos=body.ignore_eos, logprobs=logprobs)
-    params.validate()
-    return sampling_to_dict(params)
+    return SamplingParams(max_tokens=requested, temperature=body.temperature, top_p=body.top_p,
+                          top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
+                          ignore_eos=body.ignore_eos, logprobs=logprobs)
 
 
 async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> Response:
@@ -110,9 +106,8 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
         raise InvalidRequestError("the prompt is empty")
     sampling = _sampling(body, len(prompt_ids), shape.max_model_len)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    completion = Completion(kind, prefix + uuid.uuid4().hex, state.model_name, bool(sampling["logprobs"]))
-    chunks = state.dispatcher.generate(prompt_ids, sampling, body.cache_salt, sampling["max_tokens"],
-                                       shape.block_size)
+    completion = Completion(kind, prefix + uuid.uuid4().hex, state.model_name, sampling.logprobs)
+    chunks = state.dispatcher.generate(prompt_ids, sampling, body.cache_salt, shape.block_size)
     first, gone = await until_disconnect(request.receive, _first_chunk(chunks))
     if gone or first is None:  # the client left before the first token: cancel the request
         await chunks.aclose()

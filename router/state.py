@@ -3,6 +3,7 @@ on ``app.state.router`` (handlers read it from there; no module globals)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -52,6 +53,7 @@ class RouterState:
     dispatcher: Dispatcher
     metrics: RouterMetrics
     client: WorkerClient
+    created: int = field(default_factory=lambda: int(time.time()))  # Unix time the router loaded the model
 
     def cluster_shape(self) -> ClusterShape:
         """Block size and the longest request every decode worker takes; 503 with no decode worker."""

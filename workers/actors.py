@@ -72,7 +72,7 @@ class PrefillWorker(_WorkerBase):
     def __init__(self, worker_id: str, engine_config: EngineConfig, resources: WorkerResources, transport: str,
                  publish: PublishConfig | None = None):
         engine, kv_transport = _build(engine_config, resources, transport)
-        self.service = PrefillService(engine, kv_transport, worker_id, publish=publish)
+        self.service = PrefillService(engine, kv_transport, worker_id, publish=publish).start()
 
     async def prefill(self, data: bytes) -> bytes:
         return pack(await self.service.prefill(unpack(PrefillRequest, data)))
@@ -89,10 +89,16 @@ class DecodeWorker(_WorkerBase):
                  publish: PublishConfig | None = None):
         engine, kv_transport = _build(engine_config, resources, transport)
         self.service = DecodeService(engine, kv_transport, worker_id, RayPrefillClient(namespace),
-                                     transfer_timeout_s, publish)
+                                     transfer_timeout_s, publish).start()
 
     async def generate(self, data: bytes) -> AsyncIterator[bytes]:
-        async for chunk in self.service.generate(unpack(GenerateRequest, data)):
+        try:
+            request = unpack(GenerateRequest, data)
+        except (ValueError, TypeError) as e:  # a message this worker cannot read (version skew): say why
+            yield pack(TokenChunk("", finished=True, finish_reason="error", error=f"bad request message: {e}",
+                                  error_kind="invalid_request"))
+            return
+        async for chunk in self.service.generate(request):
             yield pack(chunk)
 
 

@@ -29,7 +29,7 @@ from tests.prompts import text_of_tokens  # noqa: E402
 from workers.actors import start_decode_worker, start_prefill_worker, stream_generate  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
-from workers.protocol.messages import GenerateRequest, sampling_to_dict  # noqa: E402
+from workers.protocol.messages import GenerateRequest  # noqa: E402
 from workers.protocol.sampling_params import SamplingParams  # noqa: E402
 from workers.resources import WorkerResources  # noqa: E402
 from workers.transport.nixl import nixl_available  # noqa: E402
@@ -50,7 +50,7 @@ def prompts(engine: Engine, repeats: int, offset: int) -> list[list[int]]:
 def engine_ttft(engine: Engine, prompt: list[int]) -> float:
     t0 = time.perf_counter()
     engine.add_request(prompt, PARAMS)
-    while not any(out.new_token_ids for out in engine.step()):
+    while not any(out.new_token_ids for out in engine.step().outputs):
         pass
     seconds = time.perf_counter() - t0
     while engine.has_unfinished:
@@ -61,7 +61,7 @@ def engine_ttft(engine: Engine, prompt: list[int]) -> float:
 def disagg_ttft(decode: object, prompt: list[int], rid: str, prefill_worker: str | None) -> float:
     async def run() -> float:
         t0 = time.perf_counter()
-        stream = stream_generate(decode, GenerateRequest(rid, prompt, sampling_to_dict(PARAMS), None, prefill_worker))
+        stream = stream_generate(decode, GenerateRequest(rid, prompt, PARAMS, None, prefill_worker))
         await anext(stream)
         seconds = time.perf_counter() - t0
         async for _ in stream:

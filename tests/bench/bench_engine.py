@@ -209,7 +209,7 @@ class Bench:
             if step == 5:
                 long_added = time.perf_counter()
                 long_id = engine.add_request(random_prompt(rng, long_len), SamplingParams(max_tokens=4, temperature=0))
-            now_outputs = engine.step()
+            now_outputs = engine.step().outputs
             now = time.perf_counter()
             for out in now_outputs:
                 if out.request_id in ids:

@@ -80,8 +80,8 @@ def decode_step(engine_for: EngineFactory, batch: int = 64, ctx: int = 512, step
     for _ in range(batch):
         engine.add_request([rng.randrange(100, 40000) for _ in range(ctx)],
                            SamplingParams(max_tokens=1024, temperature=0, ignore_eos=True))
-    while engine.scheduler.waiting or not engine.last_step_decode_only:
-        engine.step()
+    while engine.scheduler.waiting or not engine.step().is_decode_only:
+        pass
     for _ in range(3):
         engine.step()
     walls = [synced(engine.step)[0] for _ in range(steps)]

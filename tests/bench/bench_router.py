@@ -53,7 +53,7 @@ from workers.model.llama import LlamaModel  # noqa: E402
 from workers.model.open_model import open_model  # noqa: E402
 from workers.model.tokenizer import Tokenizer  # noqa: E402
 from workers.protocol.block_hash import hash_prompt_blocks  # noqa: E402
-from workers.protocol.messages import GenerateRequest, sampling_to_dict  # noqa: E402
+from workers.protocol.messages import GenerateRequest  # noqa: E402
 from workers.protocol.sampling_params import SamplingParams  # noqa: E402
 from workers.service.decode import DecodeService  # noqa: E402
 from workers.service.prefill import PrefillService  # noqa: E402
@@ -83,10 +83,11 @@ class Cluster:
             return Engine(EngineConfig(num_kv_blocks=blocks, block_size=BS, max_model_len=2048), model=model,
                           tokenizer=tokenizer)
 
-        self.prefill = {f"p{i}": PrefillService(engine(prefill_blocks), TcpTransport(), f"p{i}", publish=publish)
-                        for i in range(2)}
+        self.prefill = {
+            f"p{i}": PrefillService(engine(prefill_blocks), TcpTransport(), f"p{i}", publish=publish).start()
+            for i in range(2)}
         self.decode = {"d0": DecodeService(engine(4096), TcpTransport(), "d0", LocalPrefillClient(self.prefill),
-                                           publish=publish)}
+                                           publish=publish).start()}
         self.client = LocalWorkerClient(self.decode, self.prefill)
 
     def prefill_hit_tokens(self) -> int:
@@ -247,7 +248,7 @@ def run_overhead(args: argparse.Namespace) -> None:
         noop = noop_sse_server()
         # As through the router (``stream_ttft``): 4 tokens, timed to the first chunk with text (a
         # random model's first token may be a partial UTF-8 character that shows no text yet).
-        params = sampling_to_dict(SamplingParams(max_tokens=4, temperature=0.0))
+        params = SamplingParams(max_tokens=4, temperature=0.0)
 
         async def direct() -> float:
             prompt = [rng.randrange(3, 49152) for _ in range(32)]  # short: local prefill, no transfer

@@ -33,13 +33,23 @@ def test_serve_answers_then_stops_everything_it_started(make_engine, tmp_path):
                                                temperature=0)
         want = make_engine().generate([{"messages": messages}], SamplingParams(max_tokens=16, temperature=0.0))
         assert reply.choices[0].message.content == want[0].text
-        status = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", url, "--json"],
-                                capture_output=True, text=True, timeout=60, check=True)
-        workers = {w["id"]: w for w in json.loads(status.stdout)["workers"]}
+        # The same chat again: whichever worker prefills it now finds its prompt's full blocks cached.
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=1)
+        num_prompt_blocks = (reply.usage.prompt_tokens - 1) // 16  # the last token is always computed
+        deadline = time.monotonic() + 10.0
+        while True:
+            status = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", url, "--json"],
+                                    capture_output=True, text=True, timeout=60, check=True)
+            workers = {w["id"]: w for w in json.loads(status.stdout)["workers"]}
+            hits = sum(w["prefix_cache_hit_tokens"] for w in workers.values())
+            if hits >= num_prompt_blocks * 16 or time.monotonic() > deadline:  # load reports come every 0.1 s
+                break
+            time.sleep(0.2)
         assert sorted(workers) == ["decode-0", "prefill-0"]
+        assert num_prompt_blocks > 0 and hits >= num_prompt_blocks * 16
         for w in workers.values():
             assert w["healthy"] and w["num_running"] == 0 and w["num_waiting"] == 0
-            assert 0 <= w["kv_blocks_used"] < w["kv_blocks_total"] and w["prefix_cache_hit_tokens"] >= 0
+            assert 0 <= w["kv_blocks_used"] < w["kv_blocks_total"]
         table = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", url], capture_output=True,
                                text=True, timeout=60, check=True).stdout
         assert "decode-0" in table and "prefill-0" in table

@@ -25,9 +25,9 @@ MODEL = "tandem-test"
 def local_cluster(make_engine, redis_url) -> Iterator[tuple[AppServer, PrefillService, DecodeService]]:
     cluster = f"test-{uuid.uuid4().hex[:8]}"
     publish = PublishConfig(redis_url, cluster)
-    prefill = PrefillService(make_engine(max_model_len=2048), TcpTransport(), "p0", publish=publish)
+    prefill = PrefillService(make_engine(max_model_len=2048), TcpTransport(), "p0", publish=publish).start()
     decode = DecodeService(make_engine(max_model_len=2048), TcpTransport(), "d0",
-                           LocalPrefillClient({"p0": prefill}), transfer_timeout_s=10.0, publish=publish)
+                           LocalPrefillClient({"p0": prefill}), transfer_timeout_s=10.0, publish=publish).start()
     # Local prefill only for very short prompts, so most requests cross from p0 to d0.
     config = RouterConfig(redis_url, cluster, served_model_name=MODEL,
                           policy=PolicyConfig(local_prefill_max_tokens=8, local_prefill_min_overlap=1.0))

@@ -17,7 +17,7 @@ from router.prefix_index import PrefixIndex
 from router.worker_directory import WorkerDirectory
 from tests.prompts import text_of_tokens
 from workers.protocol.cluster_keys import ClusterKeys, WorkerInfo
-from workers.protocol.messages import GenerateRequest, WorkerLoad, pack, sampling_to_dict
+from workers.protocol.messages import GenerateRequest, WorkerLoad, pack
 from workers.protocol.sampling_params import SamplingParams
 from workers.service.decode import DecodeService
 from workers.service.publisher import PublishConfig
@@ -34,7 +34,7 @@ def cached_hashes(service: DecodeService) -> set[int]:
 
 
 async def run_prompts(service: DecodeService, prompts: list[list[int]], tag: str) -> None:
-    params = sampling_to_dict(SamplingParams(max_tokens=4, temperature=0.0))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
 
     async def one(i: int, ids: list[int]) -> None:
         async for chunk in service.generate(GenerateRequest(f"{tag}-{i}", ids, params)):
@@ -60,7 +60,7 @@ async def converge(consumer: KVEventConsumer, worker_id: str, want: set[int], ti
 def test_indexes_follow_events_snapshots_and_gaps(make_engine, redis_url, keys):
     engine = make_engine(num_kv_blocks=48, block_size=16)
     tok = engine.tokenizer
-    service = DecodeService(engine, TcpTransport(), "d0", None, publish=PublishConfig(redis_url, keys.cluster))
+    service = DecodeService(engine, TcpTransport(), "d0", None, publish=PublishConfig(redis_url, keys.cluster)).start()
     system = tok.encode(text_of_tokens(tok, 100, seed=1))
     prompts = [system + tok.encode(text_of_tokens(tok, 20 + 7 * i, seed=10 + i)) for i in range(6)]
     prompts += [tok.encode(text_of_tokens(tok, 150, seed=50 + i)) for i in range(4)]  # overflow: evictions
@@ -97,7 +97,7 @@ def test_indexes_follow_events_snapshots_and_gaps(make_engine, redis_url, keys):
 
 def test_directory_sees_workers_come_and_go(make_engine, redis_url, keys):
     service = DecodeService(make_engine(), TcpTransport(), "d1", None,
-                            publish=PublishConfig(redis_url, keys.cluster))
+                            publish=PublishConfig(redis_url, keys.cluster)).start()
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_url)

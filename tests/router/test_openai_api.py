@@ -98,6 +98,7 @@ def test_models_health_ready_metrics(local_cluster):
     router, _, _ = local_cluster
     models = httpx.get(f"{router.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 2048
+    assert time.time() - 3600 < models["data"][0]["created"] <= time.time()  # when this router loaded it
     assert httpx.get(f"{router.url}/health").status_code == 200
     ready = httpx.get(f"{router.url}/ready").json()
     assert ready["ready"] and ready["decode_workers"] == 1 and ready["prefill_workers"] == 1

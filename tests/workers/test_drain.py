@@ -38,9 +38,9 @@ def test_drain_leaves_routing_first_finishes_in_flight_and_late_requests_then_st
     keys = ClusterKeys(f"drain-{uuid.uuid4().hex[:8]}")
     publish = PublishConfig(redis_url, keys.cluster)
     r = redis.Redis.from_url(redis_url)
-    prefill = PrefillService(make_engine(), TcpTransport(), "p0", publish=publish)
+    prefill = PrefillService(make_engine(), TcpTransport(), "p0", publish=publish).start()
     decode = DecodeService(make_engine(), TcpTransport(), "d0", LocalPrefillClient({"p0": prefill}),
-                           transfer_timeout_s=5.0, publish=publish)
+                           transfer_timeout_s=5.0, publish=publish).start()
     single = make_engine()
     prompts = [text_of_tokens(single.tokenizer, n, seed=n) for n in (60, 90)]
     want = [out.token_ids for out in single.generate(prompts, LONG)]
@@ -72,7 +72,7 @@ def test_drain_leaves_routing_first_finishes_in_flight_and_late_requests_then_st
 
 def test_drain_timeout_stops_the_worker_and_its_unfinished_request_ends_with_an_error(make_engine, redis_url):
     decode = DecodeService(make_engine(), TcpTransport(), "d1", None,
-                           publish=PublishConfig(redis_url, f"drain-{uuid.uuid4().hex[:8]}"))
+                           publish=PublishConfig(redis_url, f"drain-{uuid.uuid4().hex[:8]}")).start()
     single = make_engine()
     endless = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
@@ -92,9 +92,9 @@ def test_drain_timeout_stops_the_worker_and_its_unfinished_request_ends_with_an_
 
 def test_a_stopped_prefill_worker_is_unavailable_and_the_decode_worker_frees_its_blocks(make_engine):
     """``unavailable`` before the first token: the router retries the request as a local prefill."""
-    prefill = PrefillService(make_engine(), TcpTransport(), "p9")
+    prefill = PrefillService(make_engine(), TcpTransport(), "p9").start()
     decode = DecodeService(make_engine(), TcpTransport(), "d9", LocalPrefillClient({"p9": prefill}),
-                           transfer_timeout_s=5.0)
+                           transfer_timeout_s=5.0).start()
     prefill.close()
     single = make_engine()
     chunks = asyncio.run(collect(decode, request(single, "r0", text_of_tokens(single.tokenizer, 80, seed=3),

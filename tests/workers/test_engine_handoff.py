@@ -17,12 +17,11 @@ from workers.protocol.sampling_params import SamplingParams
 def handoff(prefill: Engine, decode: Engine, prompt, params: SamplingParams, rid: str) -> tuple[list[int], str]:
     """Run one request through prefill -> decode; returns (token ids, text)."""
     decode.add_request(prompt, params, request_id=rid, remote_prefill=True)
-    decode.step()
-    (reservation,) = decode.take_reservations()
+    (reservation,) = decode.step().reservations
     prefill.add_request(prompt, params, request_id=rid, prefill_only=True)
     outs = []
     while prefill.has_unfinished:
-        outs += prefill.step()
+        outs += prefill.step().outputs
     (first,) = outs
     assert first.finished and len(first.new_token_ids) == 1
     src = prefill.held_block_ids(rid)
@@ -34,7 +33,7 @@ def handoff(prefill: Engine, decode: Engine, prompt, params: SamplingParams, rid
     assert out is not None
     tokens, text = list(out.new_token_ids), out.new_text
     while not out.finished:
-        (out,) = [o for o in decode.step() if o.request_id == rid]
+        (out,) = [o for o in decode.step().outputs if o.request_id == rid]
         tokens += out.new_token_ids
         text += out.new_text
     return tokens, text
@@ -61,8 +60,7 @@ def test_decode_worker_caches_received_blocks_and_skips_them_next_turn(make_engi
     params = SamplingParams(max_tokens=4, temperature=0.0)
     handoff(prefill, decode, prompt, params, "turn1")
     decode.add_request(prompt + " and more", params, request_id="turn2", remote_prefill=True)
-    decode.step()
-    (reservation,) = decode.take_reservations()
+    (reservation,) = decode.step().reservations
     assert reservation.num_cached_tokens == 64  # 4 full blocks of the first turn, served locally
 
 
@@ -70,13 +68,11 @@ def test_reserved_blocks_wait_outside_the_batch_and_abort_frees_them(make_engine
     decode = make_engine(num_kv_blocks=8)
     decode.add_request("x " * 100, SamplingParams(max_tokens=4), request_id="a", remote_prefill=True)
     decode.add_request("y " * 100, SamplingParams(max_tokens=4), request_id="b", remote_prefill=True)
-    decode.step()
-    reserved = decode.take_reservations()
+    reserved = decode.step().reservations
     assert [r.request_id for r in reserved] == ["a"]  # b waits: no home for its KV yet
     assert decode.scheduler.requests["a"].status is RequestStatus.WAITING_FOR_KV
     assert decode.abort("a")
-    decode.step()
-    assert [r.request_id for r in decode.take_reservations()] == ["b"]
+    assert [r.request_id for r in decode.step().reservations] == ["b"]
     decode.abort("b")
     assert decode.block_pool.num_used_blocks == 0
 
@@ -87,7 +83,7 @@ def test_prefill_only_holds_blocks_until_released_or_aborted(make_engine):
                         prefill_only=True)
     outs = []
     while prefill.has_unfinished:
-        outs += prefill.step()
+        outs += prefill.step().outputs
     assert len(outs) == 1 and outs[0].finished
     held = prefill.held_block_ids("p")
     assert prefill.block_pool.num_used_blocks == len(held) > 0
@@ -100,7 +96,6 @@ def test_commit_after_abort_is_ignored(make_engine):
     decode = make_engine()
     decode.add_request("hello there", SamplingParams(max_tokens=4), request_id="a", remote_prefill=True)
     decode.step()
-    decode.take_reservations()
     decode.abort("a")
     assert decode.commit_remote_kv("a", 5, None) is None
     assert decode.block_pool.num_used_blocks == 0
@@ -116,7 +111,7 @@ def test_a_prefix_being_computed_is_waited_for_not_computed_twice(make_engine):
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     cached: dict[str, int] = {}
     while engine.has_unfinished:
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id] += out.new_token_ids
             cached[out.request_id] = out.num_cached_tokens
     assert cached == {ids[0]: 0, ids[1]: 320}  # every full block of the shared prefix reused

@@ -32,7 +32,7 @@ def test_abort_mid_decode_frees_blocks(make_engine):
     assert not engine.abort(drop)  # already gone
     outputs = []
     while engine.has_unfinished:
-        outputs += engine.step()
+        outputs += engine.step().outputs
     assert {o.request_id for o in outputs} == {keep}
     assert engine.block_pool.num_used_blocks == 0
 

@@ -82,7 +82,7 @@ def test_continuous_batch_with_staggered_arrivals(make_engine, prompt_ids, hf_ou
         if pending and step % 2 == 0:  # a new arrival every other step, while others decode
             i, ids = pending.pop(0)
             got[engine.add_request(ids, GREEDY, request_id=str(i))] = []
-        for out in engine.step():
+        for out in engine.step().outputs:
             got[out.request_id].extend(out.new_token_ids)
         step += 1
     assert [got[str(i)] for i in range(len(prompt_ids))] == hf_outputs
@@ -102,7 +102,7 @@ def test_after_prefix_cache_filled(make_engine, prompt_ids, hf_outputs):
     got = {rid: [] for rid in ids}
     cached = {}
     while engine.has_unfinished:
-        for out in engine.step():
+        for out in engine.step().outputs:
             got[out.request_id].extend(out.new_token_ids)
             cached[out.request_id] = out.num_cached_tokens
     assert [got[r] for r in ids] == hf_outputs

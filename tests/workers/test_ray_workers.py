@@ -14,6 +14,7 @@ import signal
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kernels.host_math import cdiv
 from tests.prompts import reference_prompts, text_of_tokens
@@ -24,7 +25,6 @@ from workers.protocol.messages import (
     TokenChunk,
     WorkerLoad,
     pack,
-    sampling_to_dict,
     unpack,
 )
 from workers.protocol.sampling_params import SamplingParams
@@ -82,7 +82,7 @@ def expected(make_engine):
 def generate(decode, rid: str, prompt_ids: list[int], prefill_worker: str | None,
              params: SamplingParams = GREEDY) -> list[TokenChunk]:
     async def run() -> list[TokenChunk]:
-        req = GenerateRequest(rid, prompt_ids, sampling_to_dict(params), None, prefill_worker)
+        req = GenerateRequest(rid, prompt_ids, params, None, prefill_worker)
         return [c async for c in stream_generate(decode, req)]
 
     return asyncio.run(run())
@@ -150,7 +150,7 @@ def test_32_concurrent_requests_over_1p2d_leave_no_block_held(tcp_cluster, make_
 
     async def run() -> list[list[TokenChunk]]:
         async def one(i: int) -> list[TokenChunk]:
-            req = GenerateRequest(f"c32-{i}", prompts[i], sampling_to_dict(params), None, "tcp-p0")
+            req = GenerateRequest(f"c32-{i}", prompts[i], params, None, "tcp-p0")
             return [c async for c in stream_generate(decodes[i % 2], req)]
         return await asyncio.gather(*(one(i) for i in range(32)))
 
@@ -165,7 +165,7 @@ def test_cancel_while_decoding_and_while_prefilling(tcp_cluster, make_engine):
     long_prompt = tokenizer.encode(text_of_tokens(tokenizer, 1500, seed=11))
 
     async def cancel_after(num_chunks: int, prompt: list[int], rid: str, wait_for_prefill: bool) -> None:
-        req = GenerateRequest(rid, prompt, sampling_to_dict(SamplingParams(max_tokens=500, ignore_eos=True)),
+        req = GenerateRequest(rid, prompt, SamplingParams(max_tokens=500, ignore_eos=True),
                               None, "tcp-p0")
         stream = stream_generate(d0, req)
         if wait_for_prefill:
@@ -180,10 +180,24 @@ def test_cancel_while_decoding_and_while_prefilling(tcp_cluster, make_engine):
                 await anext(stream)
         await stream.aclose()
 
+    # An ignored cancel would run the request to its 500 tokens (freeing the blocks only then), so the
+    # decode worker's steps are counted too: a machine fast enough to finish within the wait still fails.
+    steps_before = sample_value(d0, "tandem_step_seconds_count", phase="decode")
     asyncio.run(cancel_after(3, long_prompt[:50], "cancel-decode", wait_for_prefill=False))
     wait_until(lambda: used_blocks(d0) == [0])
+    assert sample_value(d0, "tandem_step_seconds_count", phase="decode") - steps_before < 100
+    # A cancelled prefill sends no KV: the prefill worker's transfer bytes stay where they were.
+    sent_before = sample_value(prefill, "tandem_kv_transfer_bytes_total")
     asyncio.run(cancel_after(0, long_prompt, "cancel-prefill", wait_for_prefill=True))
     wait_until(lambda: used_blocks(prefill, d0) == [0, 0])
+    assert sample_value(prefill, "tandem_kv_transfer_bytes_total") == sent_before
+
+
+def sample_value(worker, name: str, **labels: str) -> float:  # type: ignore[no-untyped-def]
+    """One sample of a worker actor's Prometheus exposition (0 if it has none yet)."""
+    text = ray.get(worker.metrics.remote(), timeout=30).decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def wait_until(condition, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
@@ -207,7 +221,7 @@ def test_transfer_to_a_dead_or_silent_decode_worker_fails_in_time(tcp_cluster, m
     tokenizer = make_engine().tokenizer
     prompt = tokenizer.encode(text_of_tokens(tokenizer, 200, seed=3))
     nblocks = cdiv(len(prompt), 16)
-    request = PrefillRequest("to-victim", prompt, sampling_to_dict(GREEDY), None, info["kv_address"],
+    request = PrefillRequest("to-victim", prompt, GREEDY, None, info["kv_address"],
                              list(range(nblocks)), 0, timeout_s=3.0)
     t0 = time.monotonic()
     try:

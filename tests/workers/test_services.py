@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from tests.prompts import text_of_tokens
-from workers.protocol.messages import GenerateRequest, TokenChunk, sampling_to_dict
+from workers.protocol.messages import GenerateRequest, TokenChunk
 from workers.protocol.sampling_params import SamplingParams
 from workers.service.decode import DecodeService
 from workers.service.prefill import PrefillService
@@ -25,16 +25,16 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 @pytest.fixture
 def cluster(make_engine):
     """One prefill service 'p0' and one decode service 'd0'."""
-    prefill = PrefillService(make_engine(), TcpTransport(), "p0")
+    prefill = PrefillService(make_engine(), TcpTransport(), "p0").start()
     decode = DecodeService(make_engine(), TcpTransport(), "d0", LocalPrefillClient({"p0": prefill}),
-                           transfer_timeout_s=5.0)
+                           transfer_timeout_s=5.0).start()
     yield prefill, decode
     decode.close()
     prefill.close()
 
 
 def request(engine, rid: str, prompt, params: SamplingParams = GREEDY, prefill: str | None = "p0") -> GenerateRequest:
-    return GenerateRequest(rid, engine.tokenize(prompt), sampling_to_dict(params), None, prefill)
+    return GenerateRequest(rid, engine.tokenize(prompt), params, None, prefill)
 
 
 async def collect(decode: DecodeService, req: GenerateRequest) -> list[TokenChunk]:
@@ -116,6 +116,7 @@ def test_failed_transfer_ends_the_stream_with_an_error_and_frees_blocks(cluster,
 
 def test_bad_request_is_an_error_chunk(cluster):
     _, decode = cluster
-    bad = GenerateRequest("b1", [1, 2, 3], {"max_tokens": -1}, None, "p0")
+    bad = GenerateRequest("b1", [1, 2, 10**9], SamplingParams(max_tokens=4), None, "p0")
     (chunk,) = asyncio.run(collect(decode, bad))
-    assert chunk.error_kind == "invalid_request" and "max_tokens" in (chunk.error or "")
+    assert chunk.error_kind == "invalid_request" and "token ids" in (chunk.error or "")
+    assert held_blocks(decode) == 0

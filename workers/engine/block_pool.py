@@ -59,9 +59,6 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
-
     def get_cached_block(self, block_hash: int, token_ids: Sequence[int]) -> KVBlock | None:
         """The cached block for this hash, if its tokens really match."""
         block_id = self._cached.get(block_hash)

@@ -3,7 +3,7 @@
     engine = Engine(EngineConfig())
     rid = engine.add_request(prompt="Hello", sampling_params=SamplingParams(max_tokens=8))
     while engine.has_unfinished:
-        for out in engine.step(): print(out.new_text, end="")
+        for out in engine.step().outputs: print(out.new_text, end="")
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.model_runner import ModelRunner
 from workers.engine.request import Request, RequestStatus
-from workers.engine.scheduler import SampledToken, Scheduler
+from workers.engine.scheduler import KVReservation, SampledToken, Scheduler
 from workers.model.llama import LlamaModel
 from workers.model.loader import load_state_dict
 from workers.model.open_model import open_model
 from workers.model.tokenizer import Tokenizer
 from workers.protocol.errors import CapacityError, InvalidRequestError, ModelLoadError
 from workers.protocol.kv_events import KVEvent
-from workers.protocol.sampling_params import SamplingParams
+from workers.protocol.sampling_params import SamplingParams, check_fits
 
 PromptInput = str | Sequence[int] | dict[str, Any]
 
@@ -52,16 +52,16 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
-class KVReservation:
-    """Blocks a decode worker reserved for a ``remote_prefill`` request.
+class StepResult:
+    """What one ``Engine.step`` did: everything a caller needs, so nothing is left to read afterwards."""
 
-    ``block_ids`` cover the whole prompt; the first ``num_cached_tokens // block_size`` already hold
-    this worker's prefix cache, so only the rest need KV from the prefill worker.
-    """
-
-    request_id: str
-    block_ids: list[int]
-    num_cached_tokens: int
+    outputs: list[RequestOutput]
+    # remote_prefill requests whose prompt blocks were reserved (decode worker: ask a prefill worker now).
+    reservations: list[KVReservation]
+    # Changes to the prefix cache since the previous step (also those made between steps: commits, aborts).
+    kv_events: list[KVEvent]
+    num_tokens: int  # tokens the model ran; 0: nothing was run
+    is_decode_only: bool  # every scheduled request ran one token (no prompt chunk)
 
 
 @dataclass(frozen=True)
@@ -119,9 +119,6 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, eos)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.attention_backend, config.seed)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._reservations: list[KVReservation] = []
-        self.last_step_num_tokens = 0
-        self.last_step_decode_only = True
         self._ids = itertools.count()
         # torch + transformers leave ~350K tracked objects; a full GC pass over them stalls a step
         # by ~0.45 s on this CPU. Freezing them (as vLLM does) keeps later collections short.
@@ -162,10 +159,10 @@ class Engine:
 
         ``prefill_only`` (prefill worker): compute the prompt, sample the first token, finish, and hold
         the blocks until ``release_held`` (their KV is being sent). ``remote_prefill`` (decode worker):
-        reserve blocks for the prompt (see ``take_reservations``), then wait for ``commit_remote_kv``.
+        reserve blocks for the prompt (a step reports them in ``StepResult.reservations``), then wait for
+        ``commit_remote_kv``.
         """
         params = sampling_params or SamplingParams()
-        params.validate()
         if prefill_only:  # one token, whatever the stop rules: the decode worker applies them
             params = replace(params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True)
         token_ids = self.tokenize(prompt)
@@ -186,11 +183,8 @@ class Engine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        check_fits(len(token_ids), params.max_tokens, self.max_model_len)
         total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds max_model_len {self.max_model_len}")
         if cdiv(total, self.block_pool.block_size) > self.block_pool.num_blocks:
             raise CapacityError(
                 f"prompt + max_tokens = {total} tokens can never fit this engine's KV pool of "
@@ -207,11 +201,6 @@ class Engine:
         self.runner.release(request_id)
 
     # ---- disaggregated prefill ----
-    def take_reservations(self) -> list[KVReservation]:
-        """Reservations made by the steps since the last call (decode worker)."""
-        out, self._reservations = self._reservations, []
-        return out
-
     def commit_remote_kv(self, request_id: str, token_id: int, logprob: float | None) -> RequestOutput | None:
         """The prompt's KV is in the reserved blocks: add the prefill worker's first token, join the batch.
 
@@ -252,19 +241,15 @@ class Engine:
                 + sum(r.num_tokens - r.num_computed_tokens - 1 for r in sched.running))
 
     # ---- one iteration ----
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepResult:
+        """Schedule, run the model, postprocess; returns what the step did."""
         sched = self.scheduler.schedule()
-        for request in sched.kv_reserved:
-            self._reservations.append(KVReservation(
-                request.request_id, self.kv_cache_manager.block_ids(request.request_id),
-                request.num_computed_tokens))
-        self.last_step_num_tokens = sched.num_batched_tokens
-        self.last_step_decode_only = all(c.num_new_tokens == 1 for c in sched.chunks)
-        if not sched.chunks:
-            return []
-        sampled = self.runner.execute(sched, self.kv_cache_manager.block_ids)
-        updated = self.scheduler.update_from_output(sched, sampled)
-        return [self._postprocess(r) for r in updated]
+        outputs: list[RequestOutput] = []
+        if sched.chunks:
+            sampled = self.runner.execute(sched)
+            outputs = [self._postprocess(r) for r in self.scheduler.update_from_output(sched, sampled)]
+        return StepResult(outputs, sched.kv_reserved, self.block_pool.take_events(), sched.num_batched_tokens,
+                          sched.is_decode_only)
 
     def _postprocess(self, request: Request) -> RequestOutput:
         detok = self._detokenizers[request.request_id]
@@ -292,9 +277,6 @@ class Engine:
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
 
-    def take_kv_events(self) -> list[KVEvent]:
-        return self.block_pool.take_events()
-
     # ---- offline convenience ----
     def generate(self, prompts: Sequence[PromptInput], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None) -> list[CompletionResult]:
@@ -309,7 +291,7 @@ class Engine:
         for rid in ids:
             results[rid].prompt_token_ids = list(self.scheduler.requests[rid].prompt_token_ids)
         while self.has_unfinished:
-            for out in self.step():
+            for out in self.step().outputs:
                 res = results[out.request_id]
                 res.text += out.new_text
                 res.token_ids.extend(out.new_token_ids)

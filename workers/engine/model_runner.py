@@ -6,7 +6,7 @@ The only place in the engine that touches tensors (scheduler and block pool are 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ class ModelRunner:
         self._rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
 
-    def execute(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]]) -> list[SampledToken | None]:
+    def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
         """Run one step; returns, per scheduled chunk in order, its sampled token or None."""
         chunks = out.chunks
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new_tokens != 1)  # decodes first
@@ -47,8 +47,8 @@ class ModelRunner:
         logit_rows: list[int] = []
         tables: list[list[int]] = []
         for chunk in rows:
-            req, start, n = chunk.request, chunk.request.num_computed_tokens, chunk.num_new_tokens
-            table = block_ids_of(req.request_id)
+            req, n, table = chunk.request, chunk.num_new_tokens, chunk.block_ids
+            start = req.num_computed_tokens
             tables.append(table)
             input_ids.extend(req.token_ids[start : start + n])
             pos = range(start, start + n)

@@ -28,11 +28,25 @@ from workers.engine.request import Request, RequestStatus
 class ScheduledChunk(NamedTuple):
     request: Request
     num_new_tokens: int
+    block_ids: list[int]  # the request's block table after this step's allocation (the runner reads it)
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the request's last token, so the step samples a new one."""
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class KVReservation:
+    """Blocks a decode worker reserved for a ``remote_prefill`` request.
+
+    ``block_ids`` cover the whole prompt; the first ``num_cached_tokens // block_size`` already hold
+    this worker's prefix cache, so only the rest need KV from the prefill worker.
+    """
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int
 
 
 class SampledToken(NamedTuple):
@@ -45,11 +59,15 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     # remote_prefill requests whose blocks were reserved this step (now in awaiting_kv).
-    kv_reserved: list[Request] = field(default_factory=list)
+    kv_reserved: list[KVReservation] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(c.num_new_tokens == 1 for c in self.chunks)
 
 
 class Scheduler:
@@ -137,7 +155,7 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             num_new = self._chunk_len(request, budget)
             if self._reserve_or_preempt(request, num_new, out):
-                out.chunks.append(ScheduledChunk(request, num_new))
+                out.chunks.append(ScheduledChunk(request, num_new, self.kv_cache.block_ids(request.request_id)))
         if not out.preempted:
             self._admit_waiting(out, limit - out.num_batched_tokens)
         return out
@@ -195,11 +213,12 @@ class Scheduler:
             if remote:  # no compute here: the blocks wait for the prefill worker's KV
                 request.status = RequestStatus.WAITING_FOR_KV
                 self.awaiting_kv[request.request_id] = request
-                out.kv_reserved.append(request)
+                out.kv_reserved.append(KVReservation(
+                    request.request_id, self.kv_cache.block_ids(request.request_id), num_cached))
                 continue
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            out.chunks.append(ScheduledChunk(request, num_new))
+            out.chunks.append(ScheduledChunk(request, num_new, self.kv_cache.block_ids(request.request_id)))
             budget -= num_new
             if track:
                 in_flight |= self._uncomputed_prompt_blocks(request)

@@ -1,8 +1,9 @@
 """Wire messages between router, decode workers and prefill workers (msgpack).
 
 The shared vocabulary of the cluster: the router imports these, workers answer with them. Each
-message is a flat dataclass; ``pack`` / ``unpack`` turn it into msgpack bytes and back, refusing
-unknown fields so a version skew fails loudly instead of silently dropping data.
+message is a dataclass (fields may be dataclasses too, e.g. ``SamplingParams``, rebuilt as themselves);
+``pack`` / ``unpack`` turn it into msgpack bytes and back, refusing unknown fields so a version skew
+fails loudly instead of silently dropping data.
 
     router --GenerateRequest--> decode worker --PrefillRequest--> prefill worker
     router <--TokenChunk* ----- decode worker <--PrefillResult--- prefill worker
@@ -11,6 +12,9 @@ unknown fields so a version skew fails loudly instead of silently dropping data.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -26,20 +30,32 @@ def pack(message: Any) -> bytes:
 
 
 def unpack(cls: type[M], data: bytes) -> M:
-    fields = msgpack.unpackb(data, raw=False)
-    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(fields) - known
+    return _build(cls, msgpack.unpackb(data, raw=False))
+
+
+def _build(cls: type[M], fields: dict[str, Any]) -> M:
+    names, nested = _fields_of(cls)  # type: ignore[arg-type]
+    unknown = set(fields) - names
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    for name, field_cls in nested.items():
+        if fields.get(name) is not None:
+            fields[name] = _build(field_cls, fields[name])
     return cls(**fields)
 
 
-def sampling_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-
-
-def sampling_from_dict(fields: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**fields)
+@functools.cache
+def _fields_of(cls: type) -> tuple[frozenset[str], dict[str, type]]:
+    """A message's field names, and those whose type is a dataclass (or one of them or None)."""
+    hints = typing.get_type_hints(cls)
+    nested: dict[str, type] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+        for option in typing.get_args(hint) if union else (hint,):
+            if dataclasses.is_dataclass(option) and isinstance(option, type):
+                nested[f.name] = option
+    return frozenset(f.name for f in dataclasses.fields(cls)), nested
 
 
 @dataclass
@@ -48,7 +64,7 @@ class GenerateRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None
     # The prefill worker to use (its id); None: prefill locally on the decode worker.
     prefill_worker: str | None = None
@@ -60,7 +76,7 @@ class PrefillRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     cache_salt: str | None
     kv_destination: dict[str, Any]  # the decode worker's transport address
     dst_block_ids: list[int]  # the blocks to fill, in prompt order (after the skipped ones)

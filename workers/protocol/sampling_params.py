@@ -1,4 +1,5 @@
-"""Per-request sampling parameters, validated once at admission."""
+"""Per-request sampling parameters, validated where they are built: a ``SamplingParams`` that exists is
+valid, whether the router built it from an HTTP body or a worker unpacked it from the wire."""
 
 from __future__ import annotations
 
@@ -21,11 +22,14 @@ class SamplingParams:
     logprobs: bool = False
     skip_special_tokens: bool = True
 
+    def __post_init__(self) -> None:
+        self._validate()
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:
+    def _validate(self) -> None:
         """Raise ``InvalidRequestError`` naming the first bad field."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise InvalidRequestError(f"max_tokens must be an integer, got {self.max_tokens!r}")
@@ -45,3 +49,12 @@ class SamplingParams:
             raise InvalidRequestError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers")
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """The one length rule, where the router builds a request and where an engine admits one."""
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"max_model_len {max_model_len}")

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Self
 
-from workers.engine.engine import Engine, KVReservation, RequestOutput
+from workers.engine.engine import Engine, RequestOutput, StepResult
+from workers.engine.scheduler import KVReservation
 from workers.protocol.cluster_keys import ClusterKeys, WorkerInfo
 from workers.protocol.errors import WorkerStopped
-from workers.protocol.kv_events import KVEvent
 from workers.protocol.messages import WorkerLoad
 from workers.service.engine_loop import EngineLoop
 from workers.service.metrics import WorkerMetrics
@@ -32,13 +33,16 @@ class DrainReport:
     unfinished: int  # still running at the drain timeout (stopped with the worker)
 
 
-class EngineService:
+class EngineService(ABC):
+    """Owns the engine (through its loop thread), the transport, the publisher and the metrics.
+
+    Nothing runs until ``start()``: it starts the engine thread, then the publisher (which registers
+    the worker in Redis, so routers send work only once the engine steps).
+    """
+
     role: str
 
-    def __init__(self, engine: Engine, transport: KVTransport, worker_id: str,
-                 on_reservations: Callable[[list[KVReservation]], None] | None = None,
-                 publish: PublishConfig | None = None):
-        """Subclasses set up their own state first: the engine thread starts here."""
+    def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, publish: PublishConfig | None = None):
         self.worker_id = worker_id
         self.transport = transport
         transport.register(engine.runner.kv_cache)
@@ -46,14 +50,20 @@ class EngineService:
         self.num_requests_started = 0  # subclasses count each request they take
         self._closed = False
         self.publisher: WorkerPublisher | None = None
-        self.loop = EngineLoop(engine, self._on_outputs, on_reservations, self._on_step, self._on_fatal,
-                               name=f"{worker_id}-engine")
+        self.loop = EngineLoop(engine, self._on_step, self._on_fatal, name=f"{worker_id}-engine")
         if publish is not None:
             info = WorkerInfo(worker_id, self.role, publish.ray_namespace, engine.block_pool.block_size,
                               engine.block_pool.num_blocks, engine.max_model_len)
             self.publisher = WorkerPublisher(
-                publish.redis_url, ClusterKeys(publish.cluster), info, self._read_load, self._read_snapshot,
+                publish.redis_url, ClusterKeys(publish.cluster), info, self._read_load, self._queue_snapshot,
                 publish.interval_s, publish.snapshot_interval_s)
+
+    def start(self) -> Self:
+        """Start stepping and publishing; returns the service, so ``Service(...).start()`` reads as one."""
+        self.loop.start()
+        if self.publisher is not None:
+            self.publisher.start()
+        return self
 
     async def load(self) -> WorkerLoad:
         return await self.loop.run(self._load_of)
@@ -69,13 +79,17 @@ class EngineService:
         """Publisher thread: a load report, read on the engine thread between two steps (up to 1 s)."""
         return self.loop.call(self._load_of).result(timeout=1.0)
 
-    def _read_snapshot(self) -> tuple[WorkerLoad, list[KVEvent], list[tuple[int, int | None]]]:
-        return self.loop.call(
-            lambda e: (self._load_of(e), e.take_kv_events(), e.block_pool.cached_chains())).result(timeout=5.0)
+    def _queue_snapshot(self) -> None:
+        """Publisher thread: the engine thread queues its cache behind the events of every step so far."""
+        def queue(engine: Engine) -> None:
+            if self.publisher is not None:
+                self.publisher.submit_snapshot(self._load_of(engine), engine.block_pool.cached_chains())
 
+        self.loop.call(queue).result(timeout=5.0)
+
+    @abstractmethod
     def num_in_flight(self) -> int:
         """Requests this worker still holds (streams, pending prefills, transfers)."""
-        raise NotImplementedError
 
     async def drain(self, grace_s: float = 1.0, timeout_s: float = 300.0) -> DrainReport:
         """Leave routing, finish what is in flight (up to ``timeout_s``), then stop the worker."""
@@ -108,16 +122,26 @@ class EngineService:
         self.transport.close()
 
     # ---- engine thread ----
-    def _on_step(self, engine: Engine, seconds: float) -> None:
-        events = engine.take_kv_events()  # drained every step, published or not, so they never pile up
-        if self.publisher is not None:
-            self.publisher.submit(events)
-        if engine.last_step_num_tokens:
-            self.metrics.observe_step(seconds, engine.last_step_decode_only)
+    def _on_step(self, engine: Engine, result: StepResult, seconds: float) -> None:
+        publisher = self.publisher
+        if publisher is not None:
+            publisher.submit(result.kv_events)
+        if result.num_tokens:
+            self.metrics.observe_step(seconds, result.is_decode_only)
             self.metrics.update(engine.stats())
+        if result.reservations:
+            self._on_reservations(result.reservations)
+        if result.outputs:
+            self._on_outputs(engine, result.outputs)
 
+    @abstractmethod
+    def _on_reservations(self, reservations: list[KVReservation]) -> None:
+        """Blocks reserved for remote prefills: the prefill worker can be asked to fill them now."""
+
+    @abstractmethod
     def _on_outputs(self, engine: Engine, outputs: list[RequestOutput]) -> None:
-        raise NotImplementedError
+        """Tokens of one step, on the engine thread: hand them to whoever waits for them."""
 
+    @abstractmethod
     def _on_fatal(self, error: BaseException) -> None:
-        raise NotImplementedError
+        """The engine broke (or the worker stopped): end every request held with ``error``."""

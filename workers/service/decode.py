@@ -21,9 +21,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from workers.engine.engine import Engine, KVReservation, RequestOutput
+from workers.engine.engine import Engine, RequestOutput
+from workers.engine.scheduler import KVReservation
 from workers.protocol.errors import WorkerStopped, error_kind
-from workers.protocol.messages import GenerateRequest, PrefillRequest, PrefillResult, TokenChunk, sampling_from_dict
+from workers.protocol.messages import GenerateRequest, PrefillRequest, PrefillResult, TokenChunk
 from workers.service.base import EngineService
 from workers.service.publisher import PublishConfig
 from workers.transport.base import KVTransport
@@ -41,11 +42,15 @@ class PrefillClient(Protocol):
 
 @dataclass
 class _Stream:
+    """One request's life on this worker, shared by its generator and the engine thread's callbacks."""
+
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-    reserved: asyncio.Future[KVReservation] | None = None
+    reserved: asyncio.Future[KVReservation] | None = None  # set for a remote prefill
+    prefill_call: asyncio.Future[PrefillResult] | None = None  # the remote prefill, once asked for
     # Prompt tokens the prefill worker served from its own prefix cache (reported as cached too).
     prefill_cached_tokens: int = 0
+    finished: bool = False  # the last chunk was handed out: nothing is left to free
 
 
 class DecodeService(EngineService):
@@ -53,19 +58,18 @@ class DecodeService(EngineService):
 
     def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, prefill_client: PrefillClient | None,
                  transfer_timeout_s: float = 30.0, publish: PublishConfig | None = None):
+        super().__init__(engine, transport, worker_id, publish)
         self.prefill_client = prefill_client
         self.transfer_timeout_s = transfer_timeout_s
         self._streams: dict[str, _Stream] = {}
         self._cleanups: set[asyncio.Future[None]] = set()
-        super().__init__(engine, transport, worker_id, self._on_reservations, publish)
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        """Stream the request's chunks; the last has ``finished`` set (an error chunk included)."""
         rid = request.request_id
-        if rid in self._streams:
-            yield self._error_chunk(rid, ValueError(f"request id {rid!r} is already streaming here"))
-            return
-        if self._closed:
-            yield self._error_chunk(rid, WorkerStopped(f"worker {self.worker_id} has stopped"))
+        refusal = self._refusal(rid)
+        if refusal is not None:
+            yield self._error_chunk(rid, refusal)
             return
         remote = request.prefill_worker is not None and self.prefill_client is not None
         stream = _Stream(asyncio.get_running_loop())
@@ -73,51 +77,65 @@ class DecodeService(EngineService):
             stream.reserved = stream.loop.create_future()
         self._streams[rid] = stream
         self.num_requests_started += 1
-        finished = False
-        prefill_call: asyncio.Future[PrefillResult] | None = None
         try:
-            try:
-                await self.loop.run(lambda e: e.add_request(
-                    request.prompt_token_ids, sampling_from_dict(request.sampling), request_id=rid,
-                    cache_salt=request.cache_salt, remote_prefill=remote))
-            except Exception as e:  # noqa: BLE001 - bad input becomes an error chunk, never a crash
-                finished = True
-                yield self._error_chunk(rid, e)
-                return
-            if remote:
-                assert stream.reserved is not None and request.prefill_worker is not None
-                reservation = await stream.reserved
-                prefill_call = asyncio.ensure_future(self._prefill(request, reservation))
-                try:
-                    result = await asyncio.shield(prefill_call)
-                except Exception as e:  # noqa: BLE001 - the stream ends with the reason
-                    await self.loop.run(lambda eng: eng.abort(rid))
-                    finished = True
-                    yield self._error_chunk(rid, e)
-                    return
-                first = await self.loop.run(lambda e: e.commit_remote_kv(rid, result.token_id, result.logprob))
-                if first is None:
-                    return  # aborted meanwhile
-                finished = first.finished
-                stream.prefill_cached_tokens = result.num_cached_tokens
-                yield self._chunk(first, stream)
-            while not finished:
-                item = await stream.outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    yield self._error_chunk(rid, item)
-                    return
-                finished = item.finished
-                yield self._chunk(item, stream)
+            async for chunk in self._serve(request, stream):
+                yield chunk
         finally:
             self._streams.pop(rid, None)
-            if not finished:
-                # Its own task: a consumer cancelled by a scope that keeps cancelling (anyio) must not
-                # cut the cleanup short and leave the request running.
-                cleanup = asyncio.ensure_future(self._cancel(request, prefill_call))
-                self._cleanups.add(cleanup)  # a strong reference until it is done
-                cleanup.add_done_callback(self._cleanups.discard)
-                await asyncio.shield(cleanup)
+            if not stream.finished:
+                await self._abandon(request, stream)
+
+    def _refusal(self, request_id: str) -> Exception | None:
+        if request_id in self._streams:
+            return ValueError(f"request id {request_id!r} is already streaming here")
+        if self._closed:
+            return WorkerStopped(f"worker {self.worker_id} has stopped")
+        return None
+
+    async def _serve(self, request: GenerateRequest, stream: _Stream) -> AsyncGenerator[TokenChunk, None]:
+        """Admit, get the prompt's KV (from a prefill worker or computed here), then relay the outputs."""
+        rid = request.request_id
+        try:
+            await self.loop.run(lambda e: e.add_request(
+                request.prompt_token_ids, request.sampling, request_id=rid, cache_salt=request.cache_salt,
+                remote_prefill=stream.reserved is not None))
+        except Exception as e:  # noqa: BLE001 - bad input becomes an error chunk, never a crash
+            yield self._fail(stream, rid, e)
+            return
+        if stream.reserved is not None:
+            first = await self._remote_prefill(request, stream)
+            if first is None:
+                return  # aborted meanwhile
+            yield first
+        while not stream.finished:
+            item = await stream.outputs.get()
+            yield self._fail(stream, rid, item) if isinstance(item, BaseException) else self._chunk(item, stream)
+
+    async def _remote_prefill(self, request: GenerateRequest, stream: _Stream) -> TokenChunk | None:
+        """Once the prompt's blocks are reserved, have the prefill worker fill them; its first token joins
+        the batch. A failed prefill or transfer frees the blocks and gives an error chunk; None: aborted."""
+        assert stream.reserved is not None
+        rid = request.request_id
+        reservation = await stream.reserved
+        stream.prefill_call = asyncio.ensure_future(self._prefill(request, reservation))
+        try:
+            result = await asyncio.shield(stream.prefill_call)
+        except Exception as e:  # noqa: BLE001 - the stream ends with the reason
+            await self.loop.run(lambda eng: eng.abort(rid))
+            return self._fail(stream, rid, e)
+        first = await self.loop.run(lambda e: e.commit_remote_kv(rid, result.token_id, result.logprob))
+        if first is None:
+            return None
+        stream.prefill_cached_tokens = result.num_cached_tokens
+        return self._chunk(first, stream)
+
+    async def _abandon(self, request: GenerateRequest, stream: _Stream) -> None:
+        """The consumer left before the end: free what the request holds, in a task of its own, so a
+        consumer cancelled by a scope that keeps cancelling (anyio) cannot cut the cleanup short."""
+        cleanup = asyncio.ensure_future(self._cancel(request, stream.prefill_call))
+        self._cleanups.add(cleanup)  # a strong reference until it is done
+        cleanup.add_done_callback(self._cleanups.discard)
+        await asyncio.shield(cleanup)
 
     def num_in_flight(self) -> int:
         return len(self._streams) + len(self._cleanups)
@@ -143,11 +161,17 @@ class DecodeService(EngineService):
 
     # ---- chunks ----
     def _chunk(self, out: RequestOutput, stream: _Stream) -> TokenChunk:
+        stream.finished = out.finished
         if out.finished and out.finish_reason:
             self.metrics.finished(out.finish_reason)
         return TokenChunk(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
                           out.finish_reason, out.stop_reason, out.num_prompt_tokens, out.num_output_tokens,
                           max(out.num_cached_tokens, stream.prefill_cached_tokens))
+
+    def _fail(self, stream: _Stream, request_id: str, error: BaseException) -> TokenChunk:
+        """The stream's last chunk, saying why it ends (what it held is freed already)."""
+        stream.finished = True
+        return self._error_chunk(request_id, error)
 
     def _error_chunk(self, request_id: str, error: BaseException) -> TokenChunk:
         kind = error_kind(error)

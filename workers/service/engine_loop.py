@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from workers.engine.engine import Engine, KVReservation, RequestOutput
+from workers.engine.engine import Engine, StepResult
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -28,13 +28,11 @@ _IDLE_WAIT_S = 0.05
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, on_outputs: Callable[[Engine, list[RequestOutput]], None],
-                 on_reservations: Callable[[list[KVReservation]], None] | None = None,
-                 on_step: Callable[[Engine, float], None] | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None, name: str = "engine"):
+    def __init__(self, engine: Engine, on_step: Callable[[Engine, StepResult, float], None],
+                 on_fatal: Callable[[BaseException], None], name: str = "engine"):
+        """``on_step(engine, result, seconds)`` runs on the engine thread after every step;
+        ``on_fatal(error)`` once if a step raises (the loop then stops). Nothing runs before ``start()``."""
         self.engine = engine
-        self._on_outputs = on_outputs
-        self._on_reservations = on_reservations
         self._on_step = on_step
         self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], concurrent.futures.Future[Any]] | None] = (
@@ -44,6 +42,8 @@ class EngineLoop:
         # sets it to the actor's num_cpus), not from torch.set_num_threads of the thread that built us.
         self._num_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
@@ -62,7 +62,8 @@ class EngineLoop:
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
         self._commands.put(None)
-        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
         torch.set_num_threads(self._num_threads)
@@ -76,21 +77,13 @@ class EngineLoop:
                 continue
             try:
                 t0 = time.perf_counter()
-                outputs = engine.step()
-                seconds = time.perf_counter() - t0
-                idle = engine.last_step_num_tokens == 0
-                if self._on_step is not None:
-                    self._on_step(engine, seconds)
-                reservations = engine.take_reservations()
-                if reservations and self._on_reservations is not None:
-                    self._on_reservations(reservations)
-                if outputs:
-                    self._on_outputs(engine, outputs)
+                result = engine.step()
+                idle = result.num_tokens == 0
+                self._on_step(engine, result, time.perf_counter() - t0)
             except BaseException as e:  # noqa: BLE001 - a broken engine must fail its requests, not hang them
                 log.exception("engine step failed; the worker stops serving")
                 self._stopping = True
-                if self._on_fatal is not None:
-                    self._on_fatal(e)
+                self._on_fatal(e)
                 self._fail_queued(e)
                 return
 

@@ -17,8 +17,9 @@ import threading
 from dataclasses import dataclass, field
 
 from workers.engine.engine import Engine, RequestOutput
+from workers.engine.scheduler import KVReservation
 from workers.protocol.errors import TandemError, TransferError, WorkerStopped, error_kind
-from workers.protocol.messages import PrefillRequest, PrefillResult, sampling_from_dict
+from workers.protocol.messages import PrefillRequest, PrefillResult
 from workers.service.base import EngineService
 from workers.service.publisher import PublishConfig
 from workers.transport.base import KVTransport
@@ -41,10 +42,10 @@ class PrefillService(EngineService):
 
     def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, max_concurrent_transfers: int = 4,
                  publish: PublishConfig | None = None):
+        super().__init__(engine, transport, worker_id, publish)
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()  # _pending is shared by the asyncio, engine and transfer threads
         self._transfers = concurrent.futures.ThreadPoolExecutor(max_concurrent_transfers, f"{worker_id}-kv")
-        super().__init__(engine, transport, worker_id, publish=publish)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         rid = request.request_id
@@ -58,7 +59,7 @@ class PrefillService(EngineService):
             self.num_requests_started += 1
         try:
             await self.loop.run(lambda e: e.add_request(
-                request.prompt_token_ids, sampling_from_dict(request.sampling), request_id=rid,
+                request.prompt_token_ids, request.sampling, request_id=rid,
                 cache_salt=request.cache_salt, prefill_only=True))
         except BaseException as e:
             self._finish(rid, exception=e)
@@ -103,6 +104,9 @@ class PrefillService(EngineService):
                 continue
             src = engine.held_block_ids(out.request_id)[pending.request.num_skip_blocks:]
             self._transfers.submit(self._transfer, pending, src, out)
+
+    def _on_reservations(self, reservations: list[KVReservation]) -> None:
+        assert not reservations, "a prefill worker computes its prompts itself; it reserves no blocks for others"
 
     def _on_fatal(self, error: BaseException) -> None:
         with self._lock:

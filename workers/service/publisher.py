@@ -1,11 +1,16 @@
 """A worker's voice in Redis: its registration, a load report every ``interval_s`` (which doubles
 as the heartbeat: the key expires when the worker stops), and its KV events as a stream.
 
-    engine thread --submit(events)--> queue --> publisher thread --XADD / SET--> Redis
+    engine thread --submit(events) / submit_snapshot(...)--> queue --> publisher thread --XADD / SET--> Redis
 
 Each stream entry carries the publisher's ``epoch`` (new at every start and after every Redis
 outage) and a ``seq`` that grows by one per entry, so a router can tell a gap (trimmed stream,
 lost connection) and reload the snapshot, which is rewritten every ``snapshot_interval_s``.
+
+A snapshot travels through the same queue as the events, so it is written at the ``seq`` of exactly
+the steps before it. It shows the cache as it is, which may include changes made between two steps
+(a commit, an abort) whose events come with the next step, after the snapshot: replaying them is
+harmless, since each event sets blocks present or absent and the last event for a block wins.
 Redis being down never stops the worker: the publisher logs, retries, and resyncs with a new epoch.
 """
 
@@ -40,8 +45,17 @@ class PublishConfig:
     interval_s: float = 0.1
     snapshot_interval_s: float = 5.0
 
-# (load report, pending events, cached blocks as (hash, parent)), read on the engine thread in one go.
-SnapshotFn = Callable[[], tuple[WorkerLoad, list[KVEvent], list[tuple[int, int | None]]]]
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """The load and every cached block as (hash, parent), read on the engine thread between two steps."""
+
+    load: WorkerLoad
+    blocks: list[tuple[int, int | None]]
+
+
+# Asks the engine thread to queue a CacheSnapshot (``submit_snapshot``) and waits until it has.
+SnapshotFn = Callable[[], None]
 LoadFn = Callable[[], WorkerLoad]
 
 
@@ -58,25 +72,32 @@ class WorkerPublisher:
         self._read_load = read_load
         self._read_snapshot = read_snapshot
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        self._events: queue.SimpleQueue[list[KVEvent]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[KVEvent] | CacheSnapshot] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._epoch = 0
         self._seq = 0
         self._last_id = "0-0"
         self._in_sync = False
         self._thread = threading.Thread(target=self._run, name=f"{info.worker_id}-publisher", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def submit(self, events: list[KVEvent]) -> None:
         """Engine thread: queue one step's events (cheap; never touches the network)."""
         if events:
-            self._events.put(events)
+            self._queue.put(events)
+
+    def submit_snapshot(self, load: WorkerLoad, blocks: list[tuple[int, int | None]]) -> None:
+        """Engine thread: queue the cache as it is now, behind the events of every step so far."""
+        self._queue.put(CacheSnapshot(load, blocks))
 
     def close(self) -> None:
         """Stop publishing and leave the registry at once (routers stop routing here); the worker's
         keys go with it so nothing is left behind in Redis."""
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
         worker = self.info.worker_id
         try:
             self._redis.hdel(self.keys.registry, worker)
@@ -94,7 +115,7 @@ class WorkerPublisher:
                     self._resync()  # its snapshot reports the load too
                     next_snapshot = time.monotonic() + self.snapshot_interval_s
                     next_load = time.monotonic() + self.interval_s
-                self._publish(self._drain(timeout_s=max(0.0, next_load - time.monotonic())))
+                self._pump(timeout_s=max(0.0, next_load - time.monotonic()))
                 now = time.monotonic()
                 if now >= next_snapshot:
                     self._snapshot()  # reports the load as well
@@ -114,14 +135,23 @@ class WorkerPublisher:
                 log.exception("%s: publishing failed", self.info.worker_id)
                 self._stop.wait(1.0)
 
-    def _drain(self, timeout_s: float) -> list[KVEvent]:
+    def _pump(self, timeout_s: float) -> None:
+        """Publish what the engine queued, in its order (waiting up to ``timeout_s`` for the first item):
+        events as one stream entry, each snapshot at the seq of the events queued before it."""
         events: list[KVEvent] = []
         try:
-            events.extend(self._events.get(timeout=timeout_s) if timeout_s > 0 else self._events.get_nowait())
+            item = self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()
             while True:
-                events.extend(self._events.get_nowait())
+                if isinstance(item, CacheSnapshot):
+                    self._publish(events)
+                    events = []
+                    self._write_snapshot(item)
+                else:
+                    events.extend(item)
+                item = self._queue.get_nowait()
         except queue.Empty:
-            return events
+            pass
+        self._publish(events)
 
     def _publish(self, events: list[KVEvent]) -> None:
         if not events:
@@ -133,12 +163,14 @@ class WorkerPublisher:
         self._last_id = stream_id.decode() if isinstance(stream_id, bytes) else str(stream_id)
 
     def _snapshot(self) -> None:
-        """Events up to now, then the cache they lead to, so the snapshot is exact at ``seq``."""
-        load, pending, blocks = self._read_snapshot()
-        self._publish(self._drain(timeout_s=0.0) + pending)
-        snap = KVSnapshot(self._epoch, self._seq, self._last_id, [[h, p] for h, p in blocks])
+        """Have the engine queue a snapshot behind its events, then publish up to and including it."""
+        self._read_snapshot()
+        self._pump(timeout_s=0.0)
+
+    def _write_snapshot(self, snapshot: CacheSnapshot) -> None:
+        snap = KVSnapshot(self._epoch, self._seq, self._last_id, [[h, p] for h, p in snapshot.blocks])
         self._redis.set(self.keys.kv_snapshot(self.info.worker_id), pack(snap))
-        self._report_load(load)
+        self._report_load(snapshot.load)
 
     def _resync(self) -> None:
         """A new epoch: register, restart the stream with ``AllBlocksCleared``, write a snapshot."""

@@ -100,7 +100,6 @@ class TcpTransport(KVTransport):
         self.read_timeout_s = read_timeout_s
         self.host_id = host_identity() if same_host_copy else None  # None: always the socket
         self.kv_cache: torch.Tensor | None = None
-        self.num_bytes_received = 0
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
@@ -242,7 +241,6 @@ class TcpTransport(KVTransport):
             layout = CacheLayout.of(self.kv_cache)
             spans = [span for start, count in header["runs"] for span in layout.run_spans(start, count)]
             self._receive_payload(conn, header, spans)
-            self.num_bytes_received += sum(n for _, n in spans)
             _send_frame(conn, {"ok": True, "error": None})
         except (OSError, ValueError, KeyError, msgpack.UnpackException):
             pass  # the sender sees the broken connection and reports it; the receiver's blocks stay reserved
