@@ -55,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
     from workers.protocol.sampling_params import SamplingParams
 
     inputs = read_inputs(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.seed)
-    try:
+    try:  # bad sampling parameters are refused before the model loads
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed)
         t0 = time.perf_counter()
         engine = Engine(EngineConfig(model=args.model, max_model_len=args.max_model_len))
         print(f"[tandem] model loaded in {time.perf_counter() - t0:.1f}s; {len(inputs)} inputs", file=sys.stderr)
