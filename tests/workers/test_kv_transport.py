@@ -136,6 +136,25 @@ def test_transfer_to_another_process(pair, remote_peer):
     assert result.num_bytes == len(src) * SHAPE[0] * 2 * SHAPE[3] * SHAPE[4] * SHAPE[5] * 4
 
 
+@pytest.mark.parametrize("remote_shape", [(3, 2, 24, 4, 2, 8), (3, 2, 64, 4, 2, 8)], ids=["fewer", "more"])
+def test_pools_of_different_sizes(backend, remote_peer, remote_shape):
+    """The decode pool is rarely the prefill pool's size: each (layer, K/V) slab of the receiver starts at
+    its own block count, so blocks must land by the receiver's layout (a same-host copy once used the
+    sender's, and wrote every layer past the first into the wrong place)."""
+    a = make(backend)
+    a.register(torch.randn(SHAPE))
+    try:
+        address, _, ask = remote_peer
+        src, dst = [0, 1, 2, 7, 39], [3, 4, 5, 0, remote_shape[2] - 1]
+        a.write_blocks(address, src, dst, "sizes", timeout_s=20)
+        ask.send(dst)
+        assert torch.equal(ask.recv(), a.kv_cache[:, :, src])
+        ask.send([i for i in range(remote_shape[2]) if i not in dst])
+        assert ask.recv().abs().sum() == 0
+    finally:
+        a.close()
+
+
 BIG_SHAPE = (4, 2, 64, 16, 4, 64)  # 128 KiB per block over all slabs: 48 blocks are 6 MiB
 
 

@@ -116,7 +116,8 @@ class TcpTransport(KVTransport):
     def address(self) -> dict[str, Any]:
         address: dict[str, Any] = {"backend": self.backend, "host": self.host, "port": self.port}
         if self.host_id is not None and self.kv_cache is not None and self.kv_cache.device.type == "cpu":
-            address.update(host_id=self.host_id, pid=os.getpid(), base=self.kv_cache.data_ptr())
+            address.update(host_id=self.host_id, pid=os.getpid(), base=self.kv_cache.data_ptr(),
+                           num_blocks=self.kv_cache.shape[2])
         return address
 
     def write_blocks(self, peer: dict[str, Any], src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
@@ -170,8 +171,10 @@ class TcpTransport(KVTransport):
     def _payload_fields(self, peer: dict[str, Any]) -> dict[str, Any]:
         """What the header says about how the payload travels."""
         # The receiver accepts a direct write only into itself: an address outlived by its
-        # process (pid and port both reused) is refused, never written into.
-        return {"direct": [int(peer["pid"]), int(peer["base"])] if self._same_host(peer) else None}
+        # process (pid and port both reused) is refused, never written into. Its block count places
+        # each (layer, K/V) slab: the two pools are rarely the same size.
+        direct = [int(peer["pid"]), int(peer["base"]), int(peer["num_blocks"])] if self._same_host(peer) else None
+        return {"direct": direct}
 
     def _send_payload(self, sock: socket.socket, header: dict[str, Any], peer: dict[str, Any],
                       runs: list[BlockRun], spans: list[tuple[int, int]], deadline: Deadline) -> None:
@@ -192,7 +195,8 @@ class TcpTransport(KVTransport):
     def _check_payload(self, header: dict[str, Any]) -> str | None:
         """Why this receiver cannot take the payload the way the header says, or None."""
         direct = header.get("direct")
-        if direct and (self.kv_cache is None or direct != [os.getpid(), self.kv_cache.data_ptr()]):
+        if direct and (self.kv_cache is None
+                       or direct != [os.getpid(), self.kv_cache.data_ptr(), self.kv_cache.shape[2]]):
             return f"stale address: a same-host copy into pid {direct[0]}, which is not this receiver's cache"
         return None
 
@@ -204,8 +208,9 @@ class TcpTransport(KVTransport):
     def _write_direct(self, peer: dict[str, Any], runs: list[BlockRun], spans: list[tuple[int, int]]) -> bool:
         """Copy the spans into the peer's cache; False where the kernel forbids it (then: the socket)."""
         assert self.kv_cache is not None
-        layout = CacheLayout.of(self.kv_cache)
-        remote = [span for run in runs for span in layout.run_spans(run.dst_start, run.num_blocks)]
+        ours = CacheLayout.of(self.kv_cache)
+        receiver = CacheLayout(ours.num_layers, int(peer["num_blocks"]), ours.slab_block_bytes)
+        remote = [span for run in runs for span in receiver.run_spans(run.dst_start, run.num_blocks)]
         triples = [(src, dst, n) for (src, n), (dst, _) in zip(spans, remote, strict=True)]
         try:
             write_to_process(int(peer["pid"]), self.kv_cache.data_ptr(), int(peer["base"]), triples)
