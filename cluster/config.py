@@ -38,8 +38,14 @@ class ModelSection(_Strict):
 
 class EngineSection(_Strict):
     block_size: int = Field(default=16, ge=1, le=1024)
-    kv_cache_bytes: int = Field(default=256 << 20, ge=1)
+    # KV pool size; None: kv_cache_memory_fraction of the memory free when the worker starts.
+    kv_cache_bytes: int | None = Field(default=None, ge=1)
+    # None: 0.1 of free host memory on CPU (workers share the host), 0.8 of free GPU memory on CUDA.
+    kv_cache_memory_fraction: float | None = Field(default=None, gt=0, le=1)
     max_num_seqs: int = Field(default=64, ge=1)
+    # Past either bound a new request is shed with 429 + Retry-After (the queue waits for KV and a slot).
+    max_queue_len: int = Field(default=256, ge=0)
+    max_queue_time_s: float = Field(default=30.0, gt=0)
     max_num_batched_tokens: int = Field(default=8192, ge=16)
     prefill_chunk_size: int | None = Field(default=512, ge=16)
     enable_prefix_caching: bool = True
@@ -135,9 +141,11 @@ class ClusterConfig(_Strict):
     def engine_config(self, role: str) -> EngineConfig:
         e = self.pool(role).engine
         return EngineConfig(model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len,
-                            block_size=e.block_size, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
+                            block_size=e.block_size, kv_cache_bytes=e.kv_cache_bytes,
+                            kv_cache_memory_fraction=e.kv_cache_memory_fraction, max_num_seqs=e.max_num_seqs,
                             max_num_batched_tokens=e.max_num_batched_tokens,
-                            prefill_chunk_size=e.prefill_chunk_size, enable_prefix_caching=e.enable_prefix_caching)
+                            prefill_chunk_size=e.prefill_chunk_size, enable_prefix_caching=e.enable_prefix_caching,
+                            max_queue_len=e.max_queue_len, max_queue_time_s=e.max_queue_time_s)
 
     def worker_resources(self, role: str) -> WorkerResources:
         r = self.pool(role).resources
@@ -176,10 +184,13 @@ def load_config(path: str | Path | None) -> ClusterConfig:
 
 
 def check_kv_budget(config: ClusterConfig, kv_bytes_per_token: int, model_max_len: int) -> None:
-    """Each pool's KV pool must hold at least one request of ``max_model_len`` tokens."""
+    """Each pool's KV pool must hold at least one request of ``max_model_len`` tokens (a size set by a share
+    of free memory is known only when the worker starts; the engine refuses what can never fit then)."""
     max_len = config.model.max_model_len or model_max_len
     for role in ROLES:
         engine = config.pool(role).engine
+        if engine.kv_cache_bytes is None:
+            continue
         block_bytes = kv_bytes_per_token * engine.block_size
         num_blocks = engine.kv_cache_bytes // block_bytes
         needed = cdiv(max_len, engine.block_size)

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-groups", type=int, default=0, help="N shared system prompts")
     p.add_argument("--prefix-len", type=int, default=512, help="tokens of each shared system prompt")
     p.add_argument("--turns", type=int, default=1, help="turns per conversation (multi-turn)")
+    p.add_argument("--open-ended", type=float, default=0.0,
+                   help="share of requests sent without max_tokens (chats that end at EOS or the model's length)")
     p.add_argument("--api", default="chat", choices=["chat", "completions"])
     p.add_argument("--tokenizer", default=None,
                    help='HF dir or .gguf for exact token lengths; "words" to count words (default: bundled model)')
@@ -85,7 +87,7 @@ def _main(argv: list[str]) -> int:
         spec = WorkloadSpec(num_requests=args.num_requests, input_len=LengthSpec.parse(args.input_len),
                             output_len=LengthSpec.parse(args.output_len), arrival=args.arrival, rate=args.rate,
                             cv=args.cv, prefix_groups=args.prefix_groups, prefix_len=args.prefix_len,
-                            turns=args.turns, seed=args.seed)
+                            turns=args.turns, seed=args.seed, open_ended=args.open_ended)
     except ValueError as e:
         print(f"tandem loadgen: error: {e}", file=sys.stderr)
         return 2

@@ -33,11 +33,14 @@ class ClientConfig:
         return base + ("/chat/completions" if self.api == "chat" else "/completions")
 
 
-def request_body(cfg: ClientConfig, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": cfg.model, "max_tokens": max_tokens, "stream": True,
-                            "stream_options": {"include_usage": True}, "temperature": cfg.temperature}
-    if cfg.ignore_eos:
-        body["ignore_eos"] = True  # vLLM, SGLang, Tandem honour it; others ignore unknown fields
+def request_body(cfg: ClientConfig, messages: list[dict[str, str]], max_tokens: int | None) -> dict[str, Any]:
+    """``max_tokens`` None: an open-ended chat (no max_tokens, no ignore_eos: it ends at EOS)."""
+    body: dict[str, Any] = {"model": cfg.model, "stream": True, "stream_options": {"include_usage": True},
+                            "temperature": cfg.temperature}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+        if cfg.ignore_eos:
+            body["ignore_eos"] = True  # vLLM, SGLang, Tandem honour it; others ignore unknown fields
     if cfg.api == "chat":
         body["messages"] = messages
     else:
@@ -46,7 +49,7 @@ def request_body(cfg: ClientConfig, messages: list[dict[str, str]], max_tokens: 
 
 
 async def send_streaming(client: httpx.AsyncClient, cfg: ClientConfig, record: RequestRecord,
-                         messages: list[dict[str, str]], max_tokens: int, clock_zero: float) -> str:
+                         messages: list[dict[str, str]], max_tokens: int | None, clock_zero: float) -> str:
     """Send one request, filling ``record``; returns the generated text (for multi-turn history)."""
     record.send_s = time.perf_counter() - clock_zero
     pieces: list[str] = []

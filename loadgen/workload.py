@@ -88,7 +88,7 @@ class PlannedRequest:
     arrival_s: float | None  # None in closed-loop mode
     system: str | None  # shared-prefix system prompt
     turns: list[str]  # user messages; turn t is sent with the history of turns < t
-    max_tokens: int
+    max_tokens: int | None  # None: an open-ended chat, sent without max_tokens (ends at EOS or the model's length)
     input_tokens: int  # tokens of the first turn's text (system + user), by the target tokenizer
     group: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -106,6 +106,11 @@ class WorkloadSpec:
     prefix_len: int = 512
     turns: int = 1
     seed: int = 0
+    open_ended: float = 0.0  # share of requests sent without max_tokens, as chat users do
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.open_ended <= 1.0:
+            raise ValueError(f"the open-ended share must be in [0, 1], got {self.open_ended}")
 
 
 def build_workload(spec: WorkloadSpec, text: TokenText) -> list[PlannedRequest]:
@@ -115,14 +120,17 @@ def build_workload(spec: WorkloadSpec, text: TokenText) -> list[PlannedRequest]:
         list(arrival_times(spec.arrival, spec.rate, spec.num_requests, rng, spec.cv))
         if spec.rate else [None] * spec.num_requests)
     prefixes = [text.exact(spec.prefix_len, rng) for _ in range(spec.prefix_groups)]
+    # Its own generator: adding open-ended requests leaves every other draw of a seeded workload as it was.
+    open_rng = random.Random(f"{spec.seed}:open-ended")
     out = []
     for i in range(spec.num_requests):
         group = i % spec.prefix_groups if spec.prefix_groups else None
         system = prefixes[group] if group is not None else None
         in_len = spec.input_len.sample(rng, i)
         turns = [text.exact(in_len if t == 0 else max(1, in_len // 4), rng) for t in range(spec.turns)]
+        out_len = spec.output_len.sample(rng, i)
         out.append(PlannedRequest(
             index=i, arrival_s=arrivals[i], system=system, turns=turns,
-            max_tokens=spec.output_len.sample(rng, i),
+            max_tokens=None if open_rng.random() < spec.open_ended else out_len,
             input_tokens=in_len + (spec.prefix_len if system is not None else 0), group=group))
     return out

@@ -36,8 +36,9 @@ from workers.protocol.block_hash import ROOT_HASH, hash_block, hash_prompt_block
 from workers.protocol.messages import GenerateRequest, TokenChunk
 from workers.protocol.sampling_params import SamplingParams
 
-# A remote prefill failing this way (transfer error, prefill worker gone or stopped) is retried locally.
-_RETRY_LOCALLY = ("transfer", "unavailable")
+# A remote prefill failing this way (transfer error, prefill worker gone, stopped or shedding load) is
+# retried as a local prefill on the decode worker.
+_RETRY_LOCALLY = ("transfer", "unavailable", "overloaded_queue_full", "overloaded_queue_timeout")
 
 
 @dataclass
@@ -69,19 +70,15 @@ class Dispatcher:
                           max(load.waiting_prefill_tokens, self._inflight.prefill_tokens[w]),
                           load.kv_blocks_total - used, self.index.num_exact_blocks(w))
 
-    def route(self, prompt_token_ids: list[int], block_hashes: list[int], max_tokens: int,
-              block_size: int) -> Route:
+    def route(self, prompt_token_ids: list[int], block_hashes: list[int], block_size: int) -> Route:
         decoders = [self._view(e) for e in self.directory.live("decode")]
         prefillers = [self._view(e) for e in self.directory.live("prefill")]
         if not decoders:
             raise no_worker_error("decode")
         num_blocks = len(block_hashes)
         tie_key = block_hashes[0] if block_hashes else hash_block(ROOT_HASH, prompt_token_ids)
-        needed = cdiv(len(prompt_token_ids) + max_tokens, block_size)
-        decode = choose_decode_worker(decoders, needed, tie_key)
-        if decode is None:
-            raise APIError(503, "no decode worker has room for this request now; try again shortly",
-                           "service_unavailable", retry_after_s=1)
+        needed = cdiv(len(prompt_token_ids), block_size)
+        decode = choose_decode_worker(decoders, tie_key)
         overlaps = self.index.match(block_hashes) if self.policy.policy == "prefix_aware" else {}
         decode_overlap = overlaps.get(decode, 0)
         if not prefillers or (self.policy.policy == "prefix_aware" and should_prefill_locally(
@@ -104,7 +101,7 @@ class Dispatcher:
         retried once as a local prefill on the same decode worker: the client never sees it.
         """
         block_hashes = hash_prompt_blocks(prompt_token_ids, block_size, cache_salt)
-        route = self.route(prompt_token_ids, block_hashes, sampling.max_tokens, block_size)
+        route = self.route(prompt_token_ids, block_hashes, block_size)
         self._remember(route, block_hashes)
         for attempt in (route, replace(route, prefill_worker=None, prefill_overlap_blocks=0)):
             self.metrics.routed(attempt, block_size)
@@ -142,7 +139,7 @@ class Dispatcher:
                         prefill_pending = False
                     yield chunk
         except WorkerUnreachable as e:
-            raise APIError(503, f"worker unreachable: {e}; try again", "service_unavailable",
+            raise APIError(503, f"worker unreachable: {e}; try again", "unreachable",
                            retry_after_s=1) from e
         finally:
             if prefill_pending:

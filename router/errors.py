@@ -1,7 +1,8 @@
 """Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, registered once.
 
-Bad input is always a 4xx with a message; a request the cluster cannot take now is a 503 with
-``Retry-After``; only a fault of ours is a 5xx.
+Bad input is always a 4xx with a message; a busy cluster queues, and past a queue's bound sheds with
+429 and ``Retry-After``; 503 (with ``Retry-After``) means no worker of a role is up; only a fault of
+ours is a 5xx.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_re
 
 # What a worker's error kind means for the client.
 WORKER_ERROR_STATUS = {"invalid_request": 400, "capacity": 400, "transfer": 503, "unavailable": 503,
-                       "internal": 500}
+                       "overloaded_queue_full": 429, "overloaded_queue_timeout": 429, "internal": 500}
 
 
 class APIError(Exception):
@@ -40,8 +41,7 @@ class APIError(Exception):
 
 def no_worker_error(role: str) -> APIError:
     """No worker of ``role`` is up: the one 503 a client may retry after a moment."""
-    return APIError(503, f"no {role} worker is available; try again shortly", "service_unavailable",
-                    retry_after_s=1)
+    return APIError(503, f"no {role} worker is available; try again shortly", "no_worker", retry_after_s=1)
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:

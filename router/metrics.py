@@ -29,6 +29,9 @@ class RouterMetrics:
                              registry=r)
         self.in_flight = Gauge("tandem_router_requests_in_flight", "Requests being served", registry=r)
         self.routes = Counter("tandem_router_routes", "Routing decisions", ["prefill"], registry=r)
+        self.rejections = Counter("tandem_router_rejections", "Requests refused before their first token, by "
+                                  "reason (429 queue_full / queue_timeout, 503 no_worker / transfer / unavailable)",
+                                  ["reason"], registry=r)
         self.retries = Counter("tandem_router_retries", "Remote prefills retried locally after a transfer error",
                                registry=r)
         self.prompt_tokens = Counter("tandem_router_prompt_tokens", "Prompt tokens routed", registry=r)

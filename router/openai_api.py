@@ -63,8 +63,8 @@ def _tokenize(state: RouterState, body: ChatCompletionRequest | CompletionReques
 def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
               max_model_len: int) -> SamplingParams:
     requested = body.requested_max_tokens
-    if requested is None:  # OpenAI: 16 for text completions; chat runs to the model's length
-        requested = 16 if isinstance(body, CompletionRequest) else max_model_len - num_prompt_tokens
+    if requested is None:  # as vLLM: until EOS or the model's length (KV grows as tokens come)
+        requested = max(1, max_model_len - num_prompt_tokens)  # a full prompt fails the length check
     check_fits(num_prompt_tokens, requested, max_model_len)
     logprobs = bool(body.logprobs) if isinstance(body, ChatCompletionRequest) else body.logprobs is not None
     return SamplingParams(max_tokens=requested, temperature=body.temperature, top_p=body.top_p,
@@ -85,6 +85,8 @@ async def _serve(request: Request, body: ChatCompletionRequest | CompletionReque
         return response
     except APIError as e:
         status = str(e.status)
+        if e.status in (429, 503):
+            state.metrics.rejections.labels(reason=(e.code or "unknown").removeprefix("overloaded_")).inc()
         raise
     except InvalidRequestError:
         status = "400"
@@ -140,7 +142,7 @@ def _worker_error(chunk: TokenChunk) -> APIError:
     """A worker's error chunk as the HTTP error its kind means."""
     status = WORKER_ERROR_STATUS.get(chunk.error_kind or "internal", 500)
     return APIError(status, chunk.error or "the worker failed", chunk.error_kind,
-                    retry_after_s=1 if status == 503 else None)
+                    retry_after_s=1 if status in (429, 503) else None)
 
 
 async def _collect(completion: Completion, first: TokenChunk, chunks: AsyncGenerator[TokenChunk, None]) -> Completion:

@@ -30,7 +30,7 @@ class Route:
     decode_worker: str
     prefill_worker: str | None  # None: prefill on the decode worker
     prefill_overlap_blocks: int  # cached leading blocks on the worker that prefills
-    kv_blocks_needed: int  # prompt + max_tokens, on the decode worker
+    kv_blocks_needed: int  # the prompt's blocks, reserved on the decode worker (decode grows them later)
 
 
 @dataclass(frozen=True)
@@ -100,13 +100,19 @@ def choose_least_loaded(views: Sequence[WorkerView], tie_key: int) -> str:
                  tie_key)
 
 
-def choose_decode_worker(views: Sequence[WorkerView], num_blocks_needed: int, tie_key: int) -> str | None:
-    """The worker with the most free KV blocks among those with room for the request; None if none has."""
-    fits = [v for v in views if v.kv_blocks_free >= num_blocks_needed]
-    if not fits:
-        return None
-    most = max(v.kv_blocks_free for v in fits)
-    return _pick([v.worker_id for v in fits if v.kv_blocks_free == most], tie_key)
+def decode_rank(view: WorkerView) -> tuple[int, int, int]:
+    """Lower is better: the shortest admission queue, then the most KV blocks left once each running
+    request has grown by one block (what the worker's scheduler keeps free before it admits more),
+    then the fewest running requests."""
+    return view.num_waiting, view.num_running - view.kv_blocks_free, view.num_running
+
+
+def choose_decode_worker(views: Sequence[WorkerView], tie_key: int) -> str:
+    """Any live decode worker will take the request (a full one queues it): the best ranked."""
+    if not views:
+        raise ValueError("no decode workers")
+    best = min(decode_rank(v) for v in views)
+    return _pick([v.worker_id for v in views if decode_rank(v) == best], tie_key)
 
 
 def should_prefill_locally(num_prompt_tokens: int, decode_overlap_tokens: int, config: PolicyConfig) -> bool:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from loadgen.client import ClientConfig, request_body
 from loadgen.tokens import TokenText, WordTokenizer
 from loadgen.workload import LengthSpec, WorkloadSpec, arrival_times, build_workload
 
@@ -71,3 +72,21 @@ def test_prompt_lengths_exact_with_the_model_tokenizer(default_model_and_tokeniz
     rng = random.Random(0)
     for n in (1, 7, 64, 300):
         assert len(hf_tokenizer.encode(text.exact(n, rng), add_special_tokens=False)) == n
+
+
+def test_open_ended_share_leaves_the_rest_of_the_workload_as_it_was():
+    spec = WorkloadSpec(num_requests=400, input_len=LengthSpec.parse("uniform:5:30"),
+                        output_len=LengthSpec.parse("uniform:4:9"), rate=3.0, seed=3)
+    text = TokenText(WordTokenizer())
+    closed = build_workload(spec, text)
+    mixed = build_workload(WorkloadSpec(**{**spec.__dict__, "open_ended": 0.25}), text)
+    assert [(p.arrival_s, p.turns) for p in closed] == [(p.arrival_s, p.turns) for p in mixed]
+    open_ended = [p for p in mixed if p.max_tokens is None]
+    assert 0.18 < len(open_ended) / len(mixed) < 0.32
+    assert all(m.max_tokens in (None, c.max_tokens) for c, m in zip(closed, mixed, strict=True))
+    cfg = ClientConfig("http://x", "m")
+    assert "max_tokens" not in request_body(cfg, [], None) and "ignore_eos" not in request_body(cfg, [], None)
+    assert request_body(cfg, [], 8)["max_tokens"] == 8 and request_body(cfg, [], 8)["ignore_eos"]
+    with pytest.raises(ValueError, match="open-ended share"):
+        WorkloadSpec(num_requests=1, input_len=LengthSpec.parse("4"), output_len=LengthSpec.parse("4"),
+                     open_ended=1.5)

@@ -142,19 +142,27 @@ def test_failed_transfer_is_retried_as_a_local_prefill(local_cluster, client, ma
     wait_idle(prefill, decode)
 
 
-def test_no_decode_room_is_a_503_with_retry_after(local_cluster):
-    """A full decode KV pool (here: the router's own account says every block is promised) is a 503."""
+def test_a_full_pool_queues_and_a_full_queue_is_a_429_with_retry_after(local_cluster):
+    """The router never refuses for room (every block promised here): the decode worker queues. Past
+    the queue's bounds the request is shed with 429 + Retry-After, counted by reason; a 503 is only for
+    no worker of a role."""
     router, prefill, decode = local_cluster
     accounting = router.app.state.router.dispatcher._inflight.kv_blocks
     accounting["d0"] = 10**6
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
     try:
-        response = httpx.post(f"{router.url}/v1/completions", timeout=30,
-                              json={"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+        assert httpx.post(f"{router.url}/v1/completions", timeout=60, json=body).status_code == 200
     finally:
         del accounting["d0"]
-    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
-    assert "room" in response.json()["error"]["message"]
+    config = decode.loop.engine.config
+    for knob, value, reason in (("max_queue_len", 0, "queue_full"), ("max_queue_time_s", 0.0, "queue_timeout")):
+        setattr(config, knob, value)
+        try:
+            response = httpx.post(f"{router.url}/v1/completions", timeout=30, json=body)
+        finally:
+            setattr(config, knob, None)
+        assert response.status_code == 429 and response.headers["Retry-After"] == "1", response.text
+        assert response.json()["error"]["code"] == f"overloaded_{reason}"
+        assert f'tandem_router_rejections_total{{reason="{reason}"}} 1.0' in httpx.get(f"{router.url}/metrics").text
     wait_idle(prefill, decode)
-    ok = httpx.post(f"{router.url}/v1/completions", timeout=60,
-                    json={"model": MODEL, "prompt": "Hello", "max_tokens": 4})
-    assert ok.status_code == 200
+    assert httpx.post(f"{router.url}/v1/completions", timeout=60, json=body).status_code == 200

@@ -15,7 +15,7 @@ def test_preemption_recomputes_to_identical_outputs(make_engine):
     roomy = make_engine(num_kv_blocks=512).generate(prompts(), GREEDY)
     tight = make_engine(num_kv_blocks=24)  # room for ~4 of the 6 requests at full length
     results = tight.generate(prompts(), GREEDY)
-    assert tight.scheduler.num_preemptions_total > 0
+    assert sum(tight.scheduler.preemptions_by_cause.values()) > 0
     assert [r.token_ids for r in results] == [r.token_ids for r in roomy]
     assert tight.block_pool.num_used_blocks == 0 and tight.block_pool.check_integrity()
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~22K tokens of SmolLM2-135M KV in fp32
-
 
 @dataclass
 class EngineConfig:
@@ -18,15 +16,23 @@ class EngineConfig:
     # None: the model's maximum positions.
     max_model_len: int | None = None
     block_size: int = 16
-    # KV pool size: a block count wins over bytes; bytes default to DEFAULT_KV_CACHE_BYTES.
+    # KV pool size: a block count wins over bytes, bytes over the memory share below.
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
+    # Share of the memory free at start (host memory on CPU, GPU memory after the weights on CUDA) that
+    # the KV cache takes when no size is given; None: 0.1 on CPU (workers share the host), 0.8 on CUDA.
+    kv_cache_memory_fraction: float | None = None
     max_num_seqs: int = 64
     # Token budget of one engine step (decodes + prefill chunks).
     max_num_batched_tokens: int = 8192
     # Most prompt tokens one request may prefill in one step (chunked prefill); None: no cap.
     prefill_chunk_size: int | None = 512
     enable_prefix_caching: bool = True
+    # Serving bounds (a cluster's pools set them; None: unbounded, as offline ``generate`` wants):
+    # requests waiting for admission (KV blocks, a batch slot) beyond which a new one is shed, and the
+    # seconds a request may wait for admission before it is shed.
+    max_queue_len: int | None = None
+    max_queue_time_s: float | None = None
     # Attention backend for kernels.dispatch: None picks Triton on CUDA, torch elsewhere.
     attention_backend: str | None = None
     # Seed of the generator used by requests that bring none.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -17,10 +18,12 @@ from typing import Any
 import torch
 
 from kernels.host_math import cdiv
+from workers.engine import kv_sizing
 from workers.engine.block_pool import BlockPool
-from workers.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache_manager import KVCacheManager
+from workers.engine.kv_sizing import kv_cache_size
 from workers.engine.model_runner import ModelRunner
 from workers.engine.request import Request, RequestStatus
 from workers.engine.scheduler import KVReservation, SampledToken, Scheduler
@@ -28,7 +31,7 @@ from workers.model.llama import LlamaModel
 from workers.model.loader import load_state_dict
 from workers.model.open_model import open_model
 from workers.model.tokenizer import Tokenizer
-from workers.protocol.errors import CapacityError, InvalidRequestError, ModelLoadError
+from workers.protocol.errors import CapacityError, InvalidRequestError, ModelLoadError, QueueFullError
 from workers.protocol.kv_events import KVEvent
 from workers.protocol.sampling_params import SamplingParams, check_fits
 
@@ -58,6 +61,10 @@ class StepResult:
     outputs: list[RequestOutput]
     # remote_prefill requests whose prompt blocks were reserved (decode worker: ask a prefill worker now).
     reservations: list[KVReservation]
+    # Requests shed after waiting past max_queue_time_s, each with its wait in seconds (they are gone).
+    shed: list[tuple[str, float]]
+    # Seconds each request admitted for the first time this step had waited in the queue.
+    queue_seconds: list[float]
     # Changes to the prefix cache since the previous step (also those made between steps: commits, aborts).
     kv_events: list[KVEvent]
     num_tokens: int  # tokens the model ran; 0: nothing was run
@@ -71,7 +78,7 @@ class EngineStats:
     num_awaiting_kv: int
     kv_blocks_used: int
     kv_blocks_total: int
-    num_preemptions_total: int
+    preemptions_by_cause: dict[str, int]
     prefix_hit_tokens_total: int
     prefill_tokens_total: int
 
@@ -112,7 +119,9 @@ class Engine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"{mcfg.max_position_embeddings} positions")
         bytes_per_block = mcfg.kv_bytes_per_token(model.dtype.itemsize) * config.block_size
-        num_blocks = config.num_kv_blocks or (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // bytes_per_block
+        size = kv_cache_size(config, bytes_per_block, model.device)
+        kv_sizing.report(size, config.block_size, bytes_per_block)
+        num_blocks = size.num_blocks
         self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool)
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else mcfg.eos_token_id
@@ -167,6 +176,10 @@ class Engine:
             params = replace(params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True)
         token_ids = self.tokenize(prompt)
         self._check_fits(token_ids, params)
+        num_waiting = len(self.scheduler.waiting)
+        if self.config.max_queue_len is not None and num_waiting >= self.config.max_queue_len:
+            raise QueueFullError(f"{num_waiting} requests are already waiting here (max_queue_len); try again "
+                                 "shortly")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests or rid in self.scheduler.held:
             raise InvalidRequestError(f"request id {rid!r} is already running")
@@ -229,7 +242,7 @@ class Engine:
         return EngineStats(
             num_waiting=len(sched.waiting), num_running=len(sched.running), num_awaiting_kv=len(sched.awaiting_kv),
             kv_blocks_used=self.block_pool.num_used_blocks, kv_blocks_total=self.block_pool.num_blocks,
-            num_preemptions_total=sched.num_preemptions_total,
+            preemptions_by_cause=dict(sched.preemptions_by_cause),
             prefix_hit_tokens_total=sched.num_prefix_hit_tokens_total,
             prefill_tokens_total=sched.num_prefill_tokens_total,
         )
@@ -244,11 +257,15 @@ class Engine:
     def step(self) -> StepResult:
         """Schedule, run the model, postprocess; returns what the step did."""
         sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for request in sched.shed:
+            self._forget(request.request_id)
         outputs: list[RequestOutput] = []
         if sched.chunks:
             sampled = self.runner.execute(sched)
             outputs = [self._postprocess(r) for r in self.scheduler.update_from_output(sched, sampled)]
-        return StepResult(outputs, sched.kv_reserved, self.block_pool.take_events(), sched.num_batched_tokens,
+        return StepResult(outputs, sched.kv_reserved, [(r.request_id, now - r.arrival_time) for r in sched.shed],
+                          sched.queue_seconds, self.block_pool.take_events(), sched.num_batched_tokens,
                           sched.is_decode_only)
 
     def _postprocess(self, request: Request) -> RequestOutput:

@@ -56,8 +56,10 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (),
+        keep_free: int = 0,
     ) -> bool:
-        """Reserve room for ``num_new_tokens`` after the computed ones; ``False`` if the pool is short.
+        """Reserve room for ``num_new_tokens`` after the computed ones; ``False`` if the pool is short
+        (or would keep fewer than ``keep_free`` blocks free afterwards).
 
         ``new_computed_blocks`` are prefix-cache hits (from ``get_computed_blocks``) joining the
         request's table now; ``request.num_computed_tokens`` must already count them.
@@ -65,7 +67,7 @@ class KVCacheManager:
         num_needed = self.num_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
         # Reviving an evictable cached block takes it out of the free list too.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_needed + num_revived > self.pool.num_free_blocks:
+        if num_needed + num_revived + keep_free > self.pool.num_free_blocks:
             return False
         blocks = self._req_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:

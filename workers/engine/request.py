@@ -19,13 +19,16 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Never admitted: it waited past the queue's time bound (the caller hears "overloaded", not a finish).
+    FINISHED_SHED = "shed"
 
     @property
     def is_finished(self) -> bool:
         return self in _FINISHED
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+             RequestStatus.FINISHED_SHED}
 
 
 @dataclass(eq=False)
@@ -42,7 +45,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     # Tokens whose KV is stored in this engine's cache.
     num_computed_tokens: int = 0
-    # Prompt tokens served from the prefix cache at (first) admission; a metric.
+    # Prompt tokens served from the prefix cache at (first) admission; a metric. -1: never admitted yet.
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     # Matched stop string or stop token id, when status is FINISHED_STOPPED.

@@ -15,7 +15,8 @@ finishing, until the KV has been sent (``release_held``).
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -60,6 +61,10 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # remote_prefill requests whose blocks were reserved this step (now in awaiting_kv).
     kv_reserved: list[KVReservation] = field(default_factory=list)
+    # Never-admitted requests that waited past max_queue_time_s (finished as FINISHED_SHED).
+    shed: list[Request] = field(default_factory=list)
+    # Seconds each request admitted for the first time this step waited in the queue.
+    queue_seconds: list[float] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -81,7 +86,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.awaiting_kv: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
-        self.num_preemptions_total = 0
+        # Preemptions by what ran the pool dry: a running request's next token ("decode") or a prompt chunk.
+        self.preemptions_by_cause: Counter[str] = Counter()
         self.num_prefix_hit_tokens_total = 0
         self.num_prefill_tokens_total = 0
 
@@ -145,6 +151,8 @@ class Scheduler:
     # ---- schedule ----
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.config.max_queue_time_s is not None and self.waiting:
+            self._shed_overdue(out, self.config.max_queue_time_s, time.monotonic())
         limit = self.config.max_num_batched_tokens
         decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens != 1)
         for request in decodes_first:
@@ -165,9 +173,24 @@ class Scheduler:
         chunk = self.config.prefill_chunk_size
         return min(num_new, chunk) if chunk else num_new
 
+    def _shed_overdue(self, out: SchedulerOutput, bound: float, now: float) -> None:
+        """Shed never-admitted requests that waited past the bound. They queue in arrival order (preempted
+        ones, already admitted once and never shed, sit at the head), so the walk stops at the first one
+        still in time."""
+        for request in self.waiting:
+            if request.num_cached_tokens >= 0:
+                continue  # preempted: it was admitted once and keeps its place
+            if now - request.arrival_time <= bound:
+                break
+            out.shed.append(request)
+        for request in out.shed:
+            self.finish_request(request, RequestStatus.FINISHED_SHED)
+
     def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        cause = "decode" if num_new == 1 else "prefill_chunk"
         while not self.kv_cache.allocate_slots(request, num_new):
             victim = self.running[-1]
+            self.preemptions_by_cause[cause] += 1
             self._preempt(victim)
             out.preempted.append(victim)
             # The newest request may already hold a chunk of this step (a decode scheduled first).
@@ -182,7 +205,6 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -193,6 +215,7 @@ class Scheduler:
             return  # the common decode-only step: no walk over the running requests' blocks
         track = self.kv_cache.pool.enable_prefix_caching
         in_flight = self._blocks_in_prefill() if track else set()
+        now = time.monotonic()
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -203,13 +226,16 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             remote = request.remote_prefill
             num_new = request.num_tokens - num_cached if remote else self._chunk_len(request, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+            # Admit only with a block of growth left for each running request, else the next decode
+            # step would preempt the newcomer and throw its prefill away.
+            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks, keep_free=len(self.running)):
                 request.num_computed_tokens = 0
                 break  # first come, first served: nobody overtakes the head
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 self.num_prefix_hit_tokens_total += num_cached
+                out.queue_seconds.append(now - request.arrival_time)
             if remote:  # no compute here: the blocks wait for the prefill worker's KV
                 request.status = RequestStatus.WAITING_FOR_KV
                 self.awaiting_kv[request.request_id] = request

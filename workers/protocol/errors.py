@@ -23,6 +23,24 @@ class TransferError(TandemError):
     """A KV transfer failed or timed out; the destination blocks hold no valid KV."""
 
 
+class OverloadedError(TandemError):
+    """The worker sheds the request (HTTP 429 with Retry-After); ``reason`` says why."""
+
+    reason = "overloaded"  # a class attribute: it survives Ray's wrapping of a remote exception
+
+
+class QueueFullError(OverloadedError):
+    """The worker's queue already holds ``max_queue_len`` requests."""
+
+    reason = "queue_full"
+
+
+class QueueTimeoutError(OverloadedError):
+    """The request waited ``max_queue_time_s`` without being admitted."""
+
+    reason = "queue_timeout"
+
+
 class WorkerStopped(TandemError):
     """The worker stopped (drain timeout, shutdown) while it held the request."""
 
@@ -35,6 +53,8 @@ def error_kind(error: BaseException) -> str:
         return "invalid_request"
     if isinstance(error, TransferError):
         return "transfer"
+    if isinstance(error, OverloadedError):
+        return f"overloaded_{error.reason}"  # the router answers 429 and counts the reason
     if isinstance(error, WorkerStopped):
         return "unavailable"
     return "internal"

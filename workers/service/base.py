@@ -16,7 +16,7 @@ from typing import Self
 from workers.engine.engine import Engine, RequestOutput, StepResult
 from workers.engine.scheduler import KVReservation
 from workers.protocol.cluster_keys import ClusterKeys, WorkerInfo
-from workers.protocol.errors import WorkerStopped
+from workers.protocol.errors import QueueTimeoutError, WorkerStopped
 from workers.protocol.messages import WorkerLoad
 from workers.service.engine_loop import EngineLoop
 from workers.service.metrics import WorkerMetrics
@@ -129,6 +129,12 @@ class EngineService(ABC):
         if result.num_tokens:
             self.metrics.observe_step(seconds, result.is_decode_only)
             self.metrics.update(engine.stats())
+        for waited in result.queue_seconds:
+            self.metrics.queue_seconds.observe(waited)
+        for request_id, waited in result.shed:
+            self._on_request_failed(request_id, QueueTimeoutError(
+                f"no room on {self.worker_id} after {waited:.1f} s in its queue (max_queue_time_s); try again "
+                "shortly"))
         if result.reservations:
             self._on_reservations(result.reservations)
         if result.outputs:
@@ -141,6 +147,10 @@ class EngineService(ABC):
     @abstractmethod
     def _on_outputs(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         """Tokens of one step, on the engine thread: hand them to whoever waits for them."""
+
+    @abstractmethod
+    def _on_request_failed(self, request_id: str, error: BaseException) -> None:
+        """The engine dropped the request (shed): end it with ``error``. Any thread."""
 
     @abstractmethod
     def _on_fatal(self, error: BaseException) -> None:

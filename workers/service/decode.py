@@ -116,7 +116,10 @@ class DecodeService(EngineService):
         the batch. A failed prefill or transfer frees the blocks and gives an error chunk; None: aborted."""
         assert stream.reserved is not None
         rid = request.request_id
-        reservation = await stream.reserved
+        try:
+            reservation = await stream.reserved
+        except Exception as e:  # noqa: BLE001 - shed while waiting for blocks, or the engine stopped
+            return self._fail(stream, rid, e)
         stream.prefill_call = asyncio.ensure_future(self._prefill(request, reservation))
         try:
             result = await asyncio.shield(stream.prefill_call)
@@ -192,11 +195,16 @@ class DecodeService(EngineService):
             if stream is not None and stream.reserved is not None:
                 stream.loop.call_soon_threadsafe(_resolve, stream.reserved, reservation)
 
-    def _on_fatal(self, error: BaseException) -> None:
-        for stream in list(self._streams.values()):
+    def _on_request_failed(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
             if stream.reserved is not None:
                 stream.loop.call_soon_threadsafe(_fail, stream.reserved, error)
+
+    def _on_fatal(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._on_request_failed(request_id, error)
 
 
 def _resolve(future: asyncio.Future[KVReservation], value: KVReservation) -> None:

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from workers.engine.engine import EngineStats
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -34,7 +35,12 @@ class WorkerMetrics:
         self.kv_total = gauge("tandem_kv_blocks_total", "KV blocks in the pool")
         self.hit_tokens = counter("tandem_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
         self.prefill_tokens = counter("tandem_prefill_tokens", "Prompt tokens computed")
-        self.preemptions = counter("tandem_preemptions", "Requests preempted for lack of KV blocks")
+        self._preemptions = Counter("tandem_preemptions", "Requests preempted for lack of KV blocks, by what needed "
+                                    "them (decode: a running request's next token; prefill_chunk: a prompt chunk)",
+                                    names + ["cause"], registry=self.registry)
+        self.queue_seconds = Histogram("tandem_queue_seconds", "Wait from arrival to admission (KV blocks and a "
+                                       "batch slot)", names, buckets=_QUEUE_BUCKETS,
+                                       registry=self.registry).labels(**ids)
         self.transfer_bytes = counter("tandem_kv_transfer_bytes", "KV bytes sent to decode workers")
         self.transfer_seconds = Histogram("tandem_kv_transfer_seconds", "Duration of one KV transfer", names,
                                           buckets=_TRANSFER_BUCKETS, registry=self.registry).labels(**ids)
@@ -55,7 +61,10 @@ class WorkerMetrics:
         last = self._last
         self.hit_tokens.inc(stats.prefix_hit_tokens_total - (last.prefix_hit_tokens_total if last else 0))
         self.prefill_tokens.inc(stats.prefill_tokens_total - (last.prefill_tokens_total if last else 0))
-        self.preemptions.inc(stats.num_preemptions_total - (last.num_preemptions_total if last else 0))
+        for cause, total in stats.preemptions_by_cause.items():
+            before = last.preemptions_by_cause.get(cause, 0) if last else 0
+            if total > before:
+                self._preemptions.labels(**self._ids, cause=cause).inc(total - before)
         self._last = stats
 
     def observe_step(self, seconds: float, decode_only: bool) -> None:

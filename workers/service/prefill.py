@@ -108,6 +108,9 @@ class PrefillService(EngineService):
     def _on_reservations(self, reservations: list[KVReservation]) -> None:
         assert not reservations, "a prefill worker computes its prompts itself; it reserves no blocks for others"
 
+    def _on_request_failed(self, request_id: str, error: BaseException) -> None:
+        self._finish(request_id, exception=error)
+
     def _on_fatal(self, error: BaseException) -> None:
         with self._lock:
             rids = list(self._pending)
