@@ -58,6 +58,10 @@ class _WorkerBase:
         """KV blocks held by requests (evictable prefix cache excluded)."""
         return await self.service.loop.run(lambda e: e.block_pool.num_used_blocks)
 
+    async def check_integrity(self) -> bool:
+        """The KV block pool's invariants (free list, ref counts, prefix-cache index) hold; raises if not."""
+        return await self.service.loop.run(lambda e: e.block_pool.check_integrity())
+
     async def drain(self, grace_s: float = 1.0, timeout_s: float = 300.0) -> dict[str, Any]:
         """Leave routing, finish the in-flight requests, stop; the caller then ends the actor."""
         return dataclasses.asdict(await self.service.drain(grace_s, timeout_s))
