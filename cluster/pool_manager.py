@@ -143,7 +143,7 @@ class PoolManager:
 
     def _ready(self, worker: _Worker, info: dict[str, Any]) -> None:
         worker.pid = info["pid"]
-        self.say(f"{worker.worker_id} ready (pid {worker.pid}, Ray node {info['node_id'][:12]})")
+        self.say(f"{worker.worker_id} ready (pid {worker.pid}, Ray node {info['node_id'][:12]}); {info['kv_cache']}")
 
     def _end(self, worker: _Worker, outcome: str) -> None:
         import ray

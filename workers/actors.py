@@ -46,7 +46,8 @@ class _WorkerBase:
 
     def ready(self) -> dict[str, Any]:
         return {"worker_id": self.service.worker_id, "role": self.service.role, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(), "kv_address": self.service.transport.address()}
+                "node_id": ray.get_runtime_context().get_node_id(), "kv_address": self.service.transport.address(),
+                "kv_cache": self.service.loop.engine.kv_cache_description}
 
     async def load(self) -> bytes:
         return pack(await self.service.load())

@@ -27,17 +27,17 @@ NAMESPACE = "tandem-burst"
 
 @pytest.fixture(scope="module")
 def small_cluster(redis_url):
-    """1 prefill + 1 decode worker; the decode worker runs 4 requests at once and queues 4 more."""
+    """1 prefill + 1 decode worker; the decode worker runs 4 requests at once and queues 4 more. KV for
+    ~1,450 tokens each, so max_model_len 1024: an open-ended chat (no max_tokens) can always fit."""
     ray.init(address="local", num_cpus=4, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
     publish = PublishConfig(redis_url, "burst")
     resources = WorkerResources(num_cpus=1, torch_threads=1)
-    prefill = start_prefill_worker("burst-p0", EngineConfig(kv_cache_bytes=64 << 20, max_queue_len=8,
-                                                            max_queue_time_s=10.0), resources, "tcp", NAMESPACE,
-                                   publish)
-    decode = start_decode_worker("burst-d0", EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=4, max_queue_len=4,
-                                                          max_queue_time_s=6.0), resources, "tcp", NAMESPACE,
-                                 publish=publish)
+    kv = {"kv_cache_bytes": 64 << 20, "max_model_len": 1024}
+    prefill = start_prefill_worker("burst-p0", EngineConfig(**kv, max_queue_len=8, max_queue_time_s=10.0),
+                                   resources, "tcp", NAMESPACE, publish)
+    decode = start_decode_worker("burst-d0", EngineConfig(**kv, max_num_seqs=4, max_queue_len=4, max_queue_time_s=6.0),
+                                 resources, "tcp", NAMESPACE, publish=publish)
     ray.get([w.ready.remote() for w in (prefill, decode)], timeout=300)
     yield prefill, decode
     ray.shutdown()

@@ -4,6 +4,7 @@ with ``max_tokens``. A busy cluster queues; nothing is refused that could ever f
 from __future__ import annotations
 
 import asyncio
+import re
 
 import openai
 import pytest
@@ -37,7 +38,9 @@ def test_32_concurrent_chats_without_max_tokens_all_succeed(tmp_path):
         assert len(replies) == 32
         for reply in replies:
             assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
-        assert "KV cache:" in log.read_text() and "free host memory" in log.read_text()
+        for worker in ("prefill-0", "decode-0"):  # each worker's KV size, from a share of free memory
+            assert re.search(rf"{worker} ready .*KV cache .* of .* free host memory\): [\d,]+ blocks of 16 = "
+                             r"[\d,]+ tokens", log.read_text())
     finally:
         stopped = stop_group(proc, dump_stacks=True)
     assert stopped.rc == 0, log.read_text()

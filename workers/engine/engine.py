@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -120,7 +121,8 @@ class Engine:
                              f"{mcfg.max_position_embeddings} positions")
         bytes_per_block = mcfg.kv_bytes_per_token(model.dtype.itemsize) * config.block_size
         size = kv_cache_size(config, bytes_per_block, model.device)
-        kv_sizing.report(size, config.block_size, bytes_per_block)
+        self.kv_cache_description = kv_sizing.describe(size, config.block_size, bytes_per_block)
+        print(f"[tandem] {self.kv_cache_description}", file=sys.stderr, flush=True)
         num_blocks = size.num_blocks
         self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool)

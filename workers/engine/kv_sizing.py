@@ -3,13 +3,12 @@
     host (CPU):   share x MemAvailable at start      (several workers share one host: 0.1 by default)
     GPU (CUDA):   share x free device memory after the weights are loaded            (0.8 by default)
 
-The start-up line says what was taken and how many tokens it holds.
+``describe`` says in one line what was taken and how many tokens it holds.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import NamedTuple
 
 import torch
@@ -52,10 +51,11 @@ def kv_cache_size(config: EngineConfig, bytes_per_block: int, device: torch.devi
                        f"{fraction:.0%} of {_gib(free)} free {'GPU' if device.type == 'cuda' else 'host'} memory")
 
 
-def report(size: KVCacheSize, block_size: int, bytes_per_block: int) -> None:
-    """One line at start: what the KV cache took and what it holds."""
-    print(f"[tandem] KV cache: {_gib(size.num_blocks * bytes_per_block)} ({size.how}): {size.num_blocks:,} blocks "
-          f"of {block_size} = {size.num_blocks * block_size:,} tokens", file=sys.stderr, flush=True)
+def describe(size: KVCacheSize, block_size: int, bytes_per_block: int) -> str:
+    """What the KV cache took and what it holds, in one line (printed at start; ``tandem serve`` shows it
+    beside each worker's readiness)."""
+    return (f"KV cache {_gib(size.num_blocks * bytes_per_block)} ({size.how}): {size.num_blocks:,} blocks of "
+            f"{block_size} = {size.num_blocks * block_size:,} tokens")
 
 
 def _gib(num_bytes: int) -> str:
