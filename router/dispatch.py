@@ -78,7 +78,7 @@ class Dispatcher:
         num_blocks = len(block_hashes)
         tie_key = block_hashes[0] if block_hashes else hash_block(ROOT_HASH, prompt_token_ids)
         needed = cdiv(len(prompt_token_ids), block_size)
-        decode = choose_decode_worker(decoders, tie_key)
+        decode = choose_decode_worker(decoders, needed, tie_key)
         overlaps = self.index.match(block_hashes) if self.policy.policy == "prefix_aware" else {}
         decode_overlap = overlaps.get(decode, 0)
         if not prefillers or (self.policy.policy == "prefix_aware" and should_prefill_locally(

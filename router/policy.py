@@ -100,19 +100,21 @@ def choose_least_loaded(views: Sequence[WorkerView], tie_key: int) -> str:
                  tie_key)
 
 
-def decode_rank(view: WorkerView) -> tuple[int, int, int]:
-    """Lower is better: the shortest admission queue, then the most KV blocks left once each running
-    request has grown by one block (what the worker's scheduler keeps free before it admits more),
-    then the fewest running requests."""
-    return view.num_waiting, view.num_running - view.kv_blocks_free, view.num_running
+def decode_rank(view: WorkerView, num_prompt_blocks: int) -> tuple[int, int, int]:
+    """Lower is better. First the requests that would wait ahead of this one (the queue, plus this one
+    if the prompt does not fit in the blocks left once each running request has grown by one: what the
+    worker's scheduler keeps free before it admits more), then the running batch (its size sets the
+    time per token), then the most blocks left."""
+    room = view.kv_blocks_free - view.num_running
+    return view.num_waiting + (room < num_prompt_blocks), view.num_running, -room
 
 
-def choose_decode_worker(views: Sequence[WorkerView], tie_key: int) -> str:
-    """Any live decode worker will take the request (a full one queues it): the best ranked."""
+def choose_decode_worker(views: Sequence[WorkerView], num_prompt_blocks: int, tie_key: int) -> str:
+    """Any live decode worker takes the request (a full one queues it): the best ranked."""
     if not views:
         raise ValueError("no decode workers")
-    best = min(decode_rank(v) for v in views)
-    return _pick([v.worker_id for v in views if decode_rank(v) == best], tie_key)
+    best = min(decode_rank(v, num_prompt_blocks) for v in views)
+    return _pick([v.worker_id for v in views if decode_rank(v, num_prompt_blocks) == best], tie_key)
 
 
 def should_prefill_locally(num_prompt_tokens: int, decode_overlap_tokens: int, config: PolicyConfig) -> bool:

@@ -63,14 +63,19 @@ def test_new_prefixes_spread_over_the_caches():
     assert {choose_prefill_worker(views, {}, 64, BS, CFG, tie_key=k) for k in range(8)} == {"p1"}
 
 
-def test_decode_worker_by_queue_then_room_left_after_growth():
+def test_decode_worker_by_wait_then_batch_then_room():
     views = [view("d0", free=10), view("d1", free=40), view("d2", free=25)]
-    assert choose_decode_worker(views, tie_key=0) == "d1"
-    # d1's 30 running requests will each take a block soon: d2 has more room once they have grown.
-    assert choose_decode_worker([view("d1", running=30, free=40), view("d2", free=25)], tie_key=0) == "d2"
-    # A worker with a queue is full now, however its blocks look: a full pool is never refused, it queues.
-    assert choose_decode_worker([view("d0", waiting=2, free=90), view("d1", free=0)], tie_key=0) == "d1"
-    assert choose_decode_worker([view("d0", waiting=3), view("d1", waiting=2, free=0)], tie_key=0) == "d1"
+    assert choose_decode_worker(views, 20, tie_key=0) == "d1"  # d0 has no room for 20 blocks: it would queue
+    assert choose_decode_worker(views, 5, tie_key=0) == "d1"  # all fit: the most room
+    # Pools of different sizes (a worker started later takes a share of what memory was left): the
+    # smaller batch wins, not the bigger pool.
+    assert choose_decode_worker([view("d0", running=3, free=2000), view("d1", free=1000)], 4, tie_key=0) == "d1"
+    # d1's 30 running requests each take a block soon: its 40 free blocks leave no room for 12 more.
+    assert choose_decode_worker([view("d1", running=30, free=40), view("d2", running=31, free=90)], 12,
+                                tie_key=0) == "d2"
+    # A full pool is never refused: the request goes where the fewest wait ahead of it.
+    assert choose_decode_worker([view("d0", waiting=2, free=90), view("d1", free=0)], 1, tie_key=0) == "d1"
+    assert choose_decode_worker([view("d0", waiting=3), view("d1", waiting=1, free=0)], 1, tie_key=0) == "d1"
 
 
 def test_local_prefill_when_little_is_left_or_most_is_cached():
