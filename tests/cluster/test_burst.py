@@ -28,12 +28,12 @@ NAMESPACE = "tandem-burst"
 @pytest.fixture(scope="module")
 def small_cluster(redis_url):
     """1 prefill + 1 decode worker; the decode worker runs 4 requests at once and queues 4 more. KV for
-    ~1,450 tokens each, so max_model_len 1024: an open-ended chat (no max_tokens) can always fit."""
+    ~1,450 tokens each; max_model_len 320, so an open-ended chat (no max_tokens) fits and ends soon."""
     ray.init(address="local", num_cpus=4, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
     publish = PublishConfig(redis_url, "burst")
     resources = WorkerResources(num_cpus=1, torch_threads=1)
-    kv = {"kv_cache_bytes": 64 << 20, "max_model_len": 1024}
+    kv = {"kv_cache_bytes": 64 << 20, "max_model_len": 320}
     prefill = start_prefill_worker("burst-p0", EngineConfig(**kv, max_queue_len=8, max_queue_time_s=10.0),
                                    resources, "tcp", NAMESPACE, publish)
     decode = start_decode_worker("burst-d0", EngineConfig(**kv, max_num_seqs=4, max_queue_len=4, max_queue_time_s=6.0),
@@ -53,10 +53,10 @@ def test_a_4x_burst_is_served_or_shed_with_429_and_leaves_every_pool_clean(small
     router = serve_router(RouterConfig(redis_url, "burst", served_model_name="smol"), RayWorkerClient(NAMESPACE),
                           tokenizer, min_workers=2)
     try:
-        # About one request a second is what this cluster serves (four at a time, ~4 s each): 32
-        # requests in 8 s is four times that. A quarter are open-ended chats (no max_tokens).
-        spec = WorkloadSpec(num_requests=32, input_len=LengthSpec.parse("uniform:80:200"),
-                            output_len=LengthSpec.parse("24"), rate=4.0, arrival="constant", seed=5,
+        # About one request a second is what this cluster serves (four at a time, ~4 s each): 24
+        # requests in 6 s is four times that. A quarter are open-ended chats (no max_tokens).
+        spec = WorkloadSpec(num_requests=24, input_len=LengthSpec.parse("uniform:60:120"),
+                            output_len=LengthSpec.parse("16"), rate=4.0, arrival="constant", seed=5,
                             open_ended=0.25)
         workload = build_workload(spec, TokenText(tokenizer.hf))
         records: list[RequestRecord] = []

@@ -3,11 +3,14 @@ stops everything it started."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -53,6 +56,7 @@ def test_serve_answers_then_stops_everything_it_started(make_engine, tmp_path):
         table = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", url], capture_output=True,
                                text=True, timeout=60, check=True).stdout
         assert "decode-0" in table and "prefill-0" in table
+        chat_without_max_tokens_32_at_once(url, tmp_path / "serve.log")
     finally:
         stopped = stop_group(proc, dump_stacks=True)
     assert stopped.rc == 0, open(tmp_path / "serve.log").read()
@@ -60,6 +64,32 @@ def test_serve_answers_then_stops_everything_it_started(make_engine, tmp_path):
     assert not stopped.orphans, "processes of tandem serve outlived it"
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=1)
+
+
+TOPICS = ["rivers", "volcanoes", "bread", "chess", "tides", "owls", "glass", "maps", "bees", "comets", "ink",
+          "salt", "bridges", "clocks", "moss", "kites"]
+
+
+def chat_without_max_tokens_32_at_once(url: str, log: Path) -> None:
+    """What a chat user brings: many conversations at once, none with ``max_tokens``. A busy cluster
+    queues; nothing that could ever fit is refused (before issue 19, the third of these got a 503)."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+    async def chat(i: int) -> openai.types.chat.ChatCompletion:
+        question = f"In two sentences, what is interesting about {TOPICS[i % 16]}? (question {i})"
+        return await client.chat.completions.create(model="SmolLM2-135M-Instruct",
+                                                    messages=[{"role": "user", "content": question}])
+
+    async def all_chats() -> list[openai.types.chat.ChatCompletion]:
+        return await asyncio.gather(*(chat(i) for i in range(32)))
+
+    replies = asyncio.run(all_chats())  # any 4xx/5xx raises here
+    assert len(replies) == 32
+    for reply in replies:
+        assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
+    for worker in ("prefill-0", "decode-0"):  # each worker's KV size, from a share of free memory
+        assert re.search(rf"{worker} ready .*KV cache .* of .* free host memory\): [\d,]+ blocks of 16 = "
+                         r"[\d,]+ tokens", log.read_text())
 
 
 @pytest.mark.slow

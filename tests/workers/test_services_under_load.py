@@ -15,7 +15,7 @@ from workers.service.prefill import PrefillService
 from workers.service.prefill_clients import LocalPrefillClient
 from workers.transport.tcp import TcpTransport
 
-LONG_GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+LONG_GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
 def serve_all(make_engine, prompts: list[list[int]], decode_blocks: int, **decode_knobs) -> tuple[  # type: ignore[no-untyped-def]
@@ -46,11 +46,11 @@ def tokens(stream: list[TokenChunk]) -> list[int]:
 
 
 def test_preemption_across_the_handoff_keeps_every_greedy_token(make_engine):
-    """16 concurrent remote prefills into a decode pool with room for about four at full length."""
+    """16 concurrent remote prefills into a decode pool with room for about three at full length."""
     tokenizer = make_engine().tokenizer
     prompts = [tokenizer.encode(text_of_tokens(tokenizer, 40 + 3 * i, seed=100 + i)) for i in range(16)]
     roomy, _ = serve_all(make_engine, prompts, decode_blocks=1024)
-    tight, preemptions = serve_all(make_engine, prompts, decode_blocks=24)
+    tight, preemptions = serve_all(make_engine, prompts, decode_blocks=20)
     assert preemptions.get("decode", 0) > 0  # the pool really ran dry while tokens grew
     assert [tokens(s) for s in tight] == [tokens(s) for s in roomy]
     assert all(len(tokens(s)) == LONG_GREEDY.max_tokens for s in roomy)
