@@ -88,3 +88,15 @@ def test_admission_leaves_a_block_of_growth_per_running_request(make_engine):
     assert status == {a: RequestStatus.RUNNING, b: RequestStatus.RUNNING, c: RequestStatus.WAITING}
     run_to_end(engine)
     assert engine.block_pool.num_used_blocks == 0
+
+
+def test_a_shed_prefill_holds_nothing_for_a_transfer(make_engine):
+    """On a prefill worker a finished prompt keeps its blocks for the KV transfer; a shed one has none."""
+    engine = make_engine(num_kv_blocks=4, max_queue_time_s=0.2)
+    first = engine.add_request(prompt(0), GREEDY, prefill_only=True)
+    engine.step()
+    late = engine.add_request(prompt(1), GREEDY, prefill_only=True)
+    time.sleep(0.3)
+    shed = [rid for r in run_to_end(engine) for rid, _ in r.shed]
+    assert shed == [late] and list(engine.scheduler.held) == [first]
+    assert engine.release_held(first) and engine.block_pool.num_used_blocks == 0

@@ -113,7 +113,9 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         del self.requests[request.request_id]
-        if request.hold_blocks_on_finish and status is not RequestStatus.FINISHED_ABORTED:
+        # A prefill that produced its token keeps its blocks for the transfer; an aborted or shed one has
+        # nothing to send.
+        if request.hold_blocks_on_finish and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.held[request.request_id] = request
         else:
             self.kv_cache.free(request)
