@@ -33,12 +33,13 @@ from router.prefix_index import PrefixIndex
 from router.worker_client import WorkerClient, WorkerUnreachable
 from router.worker_directory import WorkerDirectory, WorkerEntry
 from workers.protocol.block_hash import ROOT_HASH, hash_block, hash_prompt_blocks
+from workers.protocol.errors import OVERLOADED_KINDS
 from workers.protocol.messages import GenerateRequest, TokenChunk
 from workers.protocol.sampling_params import SamplingParams
 
 # A remote prefill failing this way (transfer error, prefill worker gone, stopped or shedding load) is
 # retried as a local prefill on the decode worker.
-_RETRY_LOCALLY = ("transfer", "unavailable", "overloaded_queue_full", "overloaded_queue_timeout")
+_RETRY_LOCALLY = ("transfer", "unavailable", *OVERLOADED_KINDS)
 
 
 @dataclass

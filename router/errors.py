@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from workers.protocol.errors import InvalidRequestError
+from workers.protocol.errors import OVERLOADED_KINDS, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_re
 
 # What a worker's error kind means for the client.
 WORKER_ERROR_STATUS = {"invalid_request": 400, "capacity": 400, "transfer": 503, "unavailable": 503,
-                       "overloaded_queue_full": 429, "overloaded_queue_timeout": 429, "internal": 500}
+                       "internal": 500, **dict.fromkeys(OVERLOADED_KINDS, 429)}
 
 
 class APIError(Exception):

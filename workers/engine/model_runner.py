@@ -45,11 +45,9 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
-        tables: list[list[int]] = []
         for chunk in rows:
             req, n, table = chunk.request, chunk.num_new_tokens, chunk.block_ids
             start = req.num_computed_tokens
-            tables.append(table)
             input_ids.extend(req.token_ids[start : start + n])
             pos = range(start, start + n)
             positions.extend(pos)
@@ -57,7 +55,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             if chunk.samples:
                 logit_rows.append(len(input_ids) - 1)
-        attn = self._attention_metadata(rows, tables, slots)
+        attn = self._attention_metadata(rows, slots)
         dev = self.device
         logits = self.model.forward(
             torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
@@ -74,8 +72,7 @@ class ModelRunner:
                 results[i] = SampledToken(*next(sampled))
         return results
 
-    def _attention_metadata(self, rows: Sequence[ScheduledChunk], tables: Sequence[list[int]],
-                            slots: list[int]) -> AttentionMetadata:
+    def _attention_metadata(self, rows: Sequence[ScheduledChunk], slots: list[int]) -> AttentionMetadata:
         dev = self.device
         num_decodes = sum(1 for c in rows if c.num_new_tokens == 1)
         seq_lens = [c.request.num_computed_tokens + c.num_new_tokens for c in rows]
@@ -86,9 +83,9 @@ class ModelRunner:
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev, dtype=torch.long),
             num_decode_tokens=num_decodes,
-            decode_block_tables=_pad_tables(tables[:num_decodes], dev),
+            decode_block_tables=_pad_tables([c.block_ids for c in rows[:num_decodes]], dev),
             decode_seq_lens=torch.tensor(seq_lens[:num_decodes], device=dev, dtype=torch.int32),
-            prefill_block_tables=_pad_tables(tables[num_decodes:], dev),
+            prefill_block_tables=_pad_tables([c.block_ids for c in rows[num_decodes:]], dev),
             prefill_query_start_loc=torch.tensor(qsl, device=dev, dtype=torch.int32),
             prefill_seq_lens=torch.tensor(seq_lens[num_decodes:], device=dev, dtype=torch.int32),
             backend=self.attention_backend,

@@ -45,6 +45,10 @@ class WorkerStopped(TandemError):
     """The worker stopped (drain timeout, shutdown) while it held the request."""
 
 
+# The error kinds of a shed request, as ``error_kind`` names them (routers answer 429 to each).
+OVERLOADED_KINDS = tuple(f"overloaded_{cls.reason}" for cls in (QueueFullError, QueueTimeoutError))
+
+
 def error_kind(error: BaseException) -> str:
     """The kind a worker reports for a failed request (routers map it to an HTTP status)."""
     if isinstance(error, CapacityError):
