@@ -27,11 +27,11 @@ from kernels.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.cpp"
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "quant_linear_cpu.cpp")]
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_HEADS_PER_KV = 16
 _NAME = "tandem_cpu_kernels"
-_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 
 
 def available() -> bool:
@@ -71,8 +71,8 @@ def _load() -> str | None:
         with _exclusive(build_dir), _ninja_on_path():
             if not (build_dir / f"{_NAME}.so").exists():
                 log.warning("building the CPU decode-attention kernel into %s (once per machine, ~10-30 s)", build_dir)
-            cpp_extension.load(name=_NAME, sources=[str(SOURCE)], extra_cflags=_FLAGS, build_directory=str(build_dir),
-                               is_python_module=False, verbose=False)
+            cpp_extension.load(name=_NAME, sources=[str(p) for p in SOURCES], extra_cflags=_FLAGS,
+                               build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure leaves the torch path, said once
         reason = f"the build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
         log.warning("CPU decode-attention kernel unavailable (%s); using the torch path", reason)

@@ -11,6 +11,11 @@ class EngineConfig:
     model: str | None = None
     # "auto": float32 on CPU, bfloat16 on CUDA.
     dtype: str = "auto"
+    # A GGUF model's matrices: "gguf" keeps its Q4_1/Q8_0 blocks and multiplies them with the compiled
+    # CPU kernel (a decode step reads ~96 MB of SmolLM2 instead of ~540 MB), "dense" dequantizes them to
+    # `dtype` (the path that is token-exact against HF); "auto": "gguf" on CPU in float32 where the
+    # kernel builds, else "dense". A model without quantized tensors (an HF directory) is always dense.
+    weight_format: str = "auto"
     # "auto": CUDA when available, else CPU.
     device: str = "auto"
     # None: the model's maximum positions.

@@ -16,8 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
 from kernels.host_math import cdiv
 from workers.engine import kv_sizing
 from workers.engine.block_pool import BlockPool
@@ -25,14 +23,13 @@ from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.kv_sizing import kv_cache_size
+from workers.engine.model_loading import load_model
 from workers.engine.model_runner import ModelRunner
 from workers.engine.request import Request, RequestStatus
 from workers.engine.scheduler import KVReservation, SampledToken, Scheduler
 from workers.model.llama import LlamaModel
-from workers.model.loader import load_state_dict
-from workers.model.open_model import open_model
 from workers.model.tokenizer import Tokenizer
-from workers.protocol.errors import CapacityError, InvalidRequestError, ModelLoadError, QueueFullError
+from workers.protocol.errors import CapacityError, InvalidRequestError, QueueFullError
 from workers.protocol.kv_events import KVEvent
 from workers.protocol.sampling_params import SamplingParams, check_fits
 
@@ -95,24 +92,13 @@ class CompletionResult:
     logprobs: list[float] = field(default_factory=list)
 
 
-def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if config.device == "auto" else config.device))
-    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if config.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    if config.dtype not in names:
-        raise ValueError(f"dtype must be auto or one of {sorted(names)}, got {config.dtype!r}")
-    return device, names[config.dtype]
-
-
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | None = None,
                  tokenizer: Tokenizer | None = None):
         """Load the configured model, or take an already built ``model`` and ``tokenizer`` (tests)."""
         self.config = config = config or EngineConfig()
         if model is None or tokenizer is None:
-            model, tokenizer = self._load(config)
+            model, tokenizer = load_model(config)
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
@@ -135,16 +121,6 @@ class Engine:
         # by ~0.45 s on this CPU. Freezing them (as vLLM does) keeps later collections short.
         gc.collect()
         gc.freeze()
-
-    @staticmethod
-    def _load(config: EngineConfig) -> tuple[LlamaModel, Tokenizer]:
-        opened = open_model(config.model)
-        device, dtype = resolve_device_dtype(config)
-        try:
-            weights = load_state_dict(opened.source, opened.config)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot load weights from {opened.source.path}: {e}") from e
-        return LlamaModel(opened.config, weights, device, dtype), Tokenizer.load(opened.source)
 
     # ---- requests ----
     @property

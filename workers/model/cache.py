@@ -2,8 +2,9 @@
 
 Parsing the GGUF, dequantizing it and converting its tokenizer takes ~20 s on a small CPU; the
 converted directory (config.json, model.safetensors, tokenizer files) loads through the plain HF
-path. The cache key is the file's path, size and mtime; the directory is written to a temporary
-name and renamed, so a crash never leaves a half-converted model behind.
+path; ``quantized.safetensors`` beside it keeps the GGUF's quantized blocks for the quantized path.
+The cache key is the file's path, size and mtime; the directory is written to a temporary name and
+renamed, so a crash never leaves a half-converted model behind.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 from kernels.cache_dir import cache_root
 from workers.model.config import ModelConfig
 from workers.model.loader import ModelSource, load_model_config, load_state_dict
+from workers.model.quantized_weights import read_gguf_quantized, save_quantized
 
 _HF_ARCH_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_FORMAT_VERSION = "1"
+_FORMAT_VERSION = "2"  # 2: quantized.safetensors beside the dequantized weights
 
 
 def prepared_source(source: ModelSource) -> ModelSource:
@@ -46,6 +48,7 @@ def _convert(source: ModelSource, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        save_quantized(read_gguf_quantized(source.path, config), tmp)
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(config), indent=1))
         Tokenizer.load(source).hf.save_pretrained(str(tmp))
         os.replace(tmp, target)

