@@ -27,7 +27,8 @@ from kernels.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "quant_linear_cpu.cpp")]
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in (
+    "paged_decode_cpu.cpp", "quant_linear_cpu.cpp", "fused_ops_cpu.cpp")]
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_HEADS_PER_KV = 16
 _NAME = "tandem_cpu_kernels"

@@ -25,12 +25,22 @@ def default_source():
 
 @pytest.fixture(scope="session")
 def default_model_and_tokenizer(default_source):
-    """Our model and tokenizer, shared by every engine built in tests (engines keep KV apart)."""
+    """Our model and tokenizer, shared by every engine built in tests (engines keep KV apart): dense
+    fp32 weights, the path that is token-exact against HF."""
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=str(default_source.path), num_kv_blocks=16))
+    engine = Engine(EngineConfig(model=str(default_source.path), num_kv_blocks=16, weight_format="dense"))
     return engine.model, engine.tokenizer
+
+
+@pytest.fixture(scope="session")
+def quantized_model(default_source):
+    """The default model on its GGUF's Q4_1/Q8_0 blocks (what ``tandem serve`` runs on CPU)."""
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    return Engine(EngineConfig(model=str(default_source.path), num_kv_blocks=16, weight_format="gguf")).model
 
 
 @pytest.fixture(scope="session")

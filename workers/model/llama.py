@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.fused_ops import add_rms_norm_, rms_norm, silu_mul
 from kernels.quant_linear import QuantizedWeight, cat_rows, linear
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.config import ModelConfig
@@ -40,15 +41,6 @@ def stack_rows(parts: list[Weight]) -> Weight:
         return torch.cat(parts)  # type: ignore[arg-type]
     dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
     return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As HF computes it: normalize in fp32, cast back, then scale."""
-    if x.dtype == torch.float32:  # torch's fused kernel does exactly that math in fp32
-        return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class LlamaModel:
@@ -110,8 +102,13 @@ class LlamaModel:
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         h = self._embed(input_ids)
         cos, sin = self.rope.cos_sin(positions)
+        eps = cfg.rms_norm_eps
+        mlp_out: torch.Tensor | None = None  # each layer's MLP output joins h in the next layer's fused norm
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+            if mlp_out is None:
+                x = rms_norm(h, layer.attn_norm, eps)
+            else:
+                x = add_rms_norm_(h, mlp_out, layer.attn_norm, eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias)
             # Q and K are adjacent in each row: rotate both heads-sets in one pass.
             qk = apply_rope(qkv[:, : q_size + kv_size].view(num_tokens, -1, cfg.head_dim), cos, sin)
@@ -120,11 +117,11 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=attn.backend)
             o = self._attention(q, k_cache, v_cache, attn)
-            h += linear(o.reshape(num_tokens, q_size), layer.o_proj)
-            x = rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
-            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            h += linear(F.silu(gate) * up, layer.down)
-        h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
+            x = add_rms_norm_(h, linear(o.reshape(num_tokens, q_size), layer.o_proj), layer.mlp_norm, eps)
+            mlp_out = linear(silu_mul(linear(x, layer.gate_up)), layer.down)
+        if mlp_out is not None:
+            h += mlp_out
+        h = rms_norm(h[logits_indices], self.norm, eps)
         return linear(h, self.lm_head).float()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]

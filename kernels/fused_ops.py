@@ -1,0 +1,43 @@
+"""RMSNorm (with the residual add) and SiLU-times-up in one pass a row: the compiled CPU ops
+(``kernels/csrc/fused_ops_cpu.cpp``) for fp32 CPU tensors where they build, torch elsewhere.
+
+    x = add_rms_norm_(h, delta, w, eps)   # h += delta; x = rms_norm(h)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels import cpu_kernel
+
+
+def _compiled(x: Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and cpu_kernel.available()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """As HF computes it: normalize in fp32, cast back, then scale."""
+    if _compiled(x):
+        return torch.ops.tandem_cpu.rms_norm(x, weight, eps)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``h += delta`` in place, then ``rms_norm(h)``."""
+    if _compiled(h) and _compiled(delta):
+        return torch.ops.tandem_cpu.add_rms_norm_(h, delta, weight, eps)
+    h += delta
+    return rms_norm(h, weight, eps)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:  # [M, 2I] -> [M, I]
+    if _compiled(gate_up):
+        return torch.ops.tandem_cpu.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
