@@ -9,36 +9,13 @@ import pytest
 import torch
 
 from kernels.host_math import cdiv
-from tests.prompts import reference_prompts
+from tests.workers.conftest import NUM_NEW
 from workers.model.attention_metadata import AttentionMetadata
 from workers.protocol.sampling_params import SamplingParams
 
-NUM_NEW = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def prompts(default_model_and_tokenizer):
-    return reference_prompts(default_model_and_tokenizer[1])
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(make_engine, prompts):
-    engine = make_engine()
-    return [engine.tokenize(p) for p in prompts]
-
-
-@pytest.fixture(scope="module")
-def hf_outputs(hf_reference, prompt_ids):
-    model, _ = hf_reference
-    outs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
-            outs.append(gen[0, len(ids):].tolist())
-    return outs
 
 
 def test_prompts_span_5_to_1500_tokens(prompt_ids):

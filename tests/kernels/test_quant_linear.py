@@ -1,0 +1,88 @@
+"""The quantized linear kernels (kernels/csrc/quant_linear_cpu.cpp) against the gguf package's own
+dequantize, which HF runs: blocks made by gguf's quantize and blocks from the bundled GGUF; every row
+count through the register tiles, their tails, the two-row scratch path and the BLAS path; odd row
+counts of W; then the fused elementwise ops against torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, dequantize, quantize
+
+from kernels import cpu_kernel, fused_ops, quant_linear
+from kernels.quant_linear import QuantizedWeight
+
+FORMATS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 17, quant_linear.DENSE_FROM_ROWS - 1, quant_linear.DENSE_FROM_ROWS, 300]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built() -> None:
+    if not cpu_kernel.available():  # no compiler or no AVX2: the engine keeps dense weights, as it says
+        pytest.skip(f"the CPU kernels cannot be built here: {cpu_kernel.unavailable_reason()}")
+
+
+def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A quantized weight and its dequantized fp32 reference, as the gguf package computes it."""
+    dense = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    blocks = quantize(dense, FORMATS[fmt])
+    reference = torch.from_numpy(np.array(dequantize(blocks, FORMATS[fmt]), dtype=np.float32))
+    return QuantizedWeight(fmt, torch.from_numpy(np.array(blocks)), k), reference
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_is_bit_exact(fmt: str) -> None:
+    w, reference = random_weight(fmt, 37, 96)
+    assert torch.equal(w.dequantize(), reference)
+    ids = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(w.rows(ids), reference[ids])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", ROW_COUNTS)
+def test_linear_matches_dequantized_matmul(fmt: str, m: int) -> None:
+    w, reference = random_weight(fmt, 67, 160, seed=m)  # an odd N: the scratch path's last lone row
+    x = torch.randn(m, 160)
+    bias = torch.randn(67)
+    got = quant_linear.linear(x, w, bias)
+    expected = x.double() @ reference.double().T + bias.double()
+    # Only the summation order differs from an fp32 matmul: fp32 rounding of 160-term sums.
+    assert got.shape == (m, 67)
+    assert (got.double() - expected).abs().max().item() < 1e-3
+
+
+def test_bundled_gguf_blocks(quantized_model, default_model_and_tokenizer) -> None:
+    """The model's stacked Q/K/V blocks, un-permuted by whole rows, equal the dense (HF-layout) weights."""
+    qkv = quantized_model.layers[3].qkv
+    dense = default_model_and_tokenizer[0].layers[3].qkv
+    assert isinstance(qkv, QuantizedWeight) and qkv.format == "q4_1"
+    assert torch.equal(qkv.dequantize(), dense)
+    assert isinstance(quantized_model.embed, QuantizedWeight) and quantized_model.embed.format == "q8_0"
+
+
+def test_bad_shapes_are_refused() -> None:
+    w, _ = random_weight("q4_1", 8, 64)
+    with pytest.raises(RuntimeError, match="K=96"):
+        quant_linear.linear(torch.randn(2, 96), w)
+    with pytest.raises(ValueError, match="does not hold rows"):
+        QuantizedWeight("q4_1", w.data, 96)
+    with pytest.raises(ValueError, match="unsupported quantized format"):
+        QuantizedWeight("q5_k", w.data, 64)
+    with pytest.raises(ValueError, match="one format"):
+        quant_linear.cat_rows([w, random_weight("q8_0", 8, 64)[0]])
+
+
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_fused_elementwise_ops(m: int) -> None:
+    h, delta, w = torch.randn(m, 576) * 3, torch.randn(m, 576), torch.randn(576)
+    expected_h = h + delta
+    expected = F.rms_norm(expected_h, (576,), w, 1e-5)
+    assert torch.allclose(fused_ops.rms_norm(expected_h, w, 1e-5), expected, atol=1e-5, rtol=1e-5)
+    got = fused_ops.add_rms_norm_(h, delta, w, 1e-5)
+    assert torch.equal(h, expected_h)  # the residual add happened in place
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    gate_up = torch.randn(m, 2 * 1536) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(fused_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
