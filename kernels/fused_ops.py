@@ -1,4 +1,4 @@
-"""RMSNorm (with the residual add) and SiLU-times-up in one pass a row: the compiled CPU ops
+"""RMSNorm (with the residual add), SiLU-times-up and RoPE in one pass a row: the compiled CPU ops
 (``kernels/csrc/fused_ops_cpu.cpp``) for fp32 CPU tensors where they build, torch elsewhere.
 
     x = add_rms_norm_(h, delta, w, eps)   # h += delta; x = rms_norm(h)
@@ -41,3 +41,13 @@ def silu_mul(gate_up: Tensor) -> Tensor:  # [M, 2I] -> [M, I]
         return torch.ops.tandem_cpu.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Rotate ``x`` [T, heads, D] in place by ``cos``/``sin`` [T, D] (HF's half-split layout)."""
+    if _compiled(cos) and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1:
+        torch.ops.tandem_cpu.rope_(x, cos, sin)
+        return
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    x.copy_(x * cos[:, None] + rotated * sin[:, None])

@@ -7,6 +7,8 @@
 //   rms_norm(x [M, H], w [H], eps)             -> x / sqrt(mean(x^2) + eps) * w          (fp32)
 //   add_rms_norm_(h [M, H], d [M, H], w, eps)  -> h += d in place; rms_norm(h, w, eps)
 //   silu_mul(gu [M, 2I])                       -> silu(gu[:, :I]) * gu[:, I:]            [M, I]
+//   rope_(x [T, heads, D], cos [T, D], sin [T, D]) in place, HF's half-split layout:
+//       x[..., :D/2], x[..., D/2:]  <-  x1 * cos1 - x2 * sin1,  x2 * cos2 + x1 * sin2
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -89,16 +91,46 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out;
 }
 
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be [T, heads, D] fp32");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
+                  cos.size(1) == x.size(2) && sin.sizes() == cos.sizes(),
+              "cos and sin must be [T, D] contiguous");
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos.data_ptr<float>() + t * D;
+      const float* s = sin.data_ptr<float>() + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* row = x.data_ptr<float>() + t * x.stride(0) + h * x.stride(1);
+        int64_t i = 0;
+        for (; i + Vec::size() <= half; i += Vec::size()) {
+          const Vec x1 = Vec::loadu(row + i), x2 = Vec::loadu(row + half + i);
+          (x1 * Vec::loadu(c + i) - x2 * Vec::loadu(s + i)).store(row + i);
+          (x2 * Vec::loadu(c + half + i) + x1 * Vec::loadu(s + half + i)).store(row + half + i);
+        }
+        for (; i < half; ++i) {
+          const float x1 = row[i], x2 = row[half + i];
+          row[i] = x1 * c[i] - x2 * s[i];
+          row[half + i] = x2 * c[half + i] + x1 * s[half + i];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor d, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
 }

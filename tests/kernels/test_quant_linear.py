@@ -86,3 +86,17 @@ def test_fused_elementwise_ops(m: int) -> None:
     gate_up = torch.randn(m, 2 * 1536) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.allclose(fused_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_fused_rope_matches_hf_rotation(num_tokens: int) -> None:
+    qkv = torch.randn(num_tokens, (9 + 2 * 3) * 64)
+    qk = qkv[:, : 12 * 64].view(num_tokens, 12, 64)  # a strided view, as the model passes it
+    angles = torch.rand(num_tokens, 32) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    rotated = torch.cat([-qk[..., 32:], qk[..., :32]], dim=-1)
+    expected = qk * cos[:, None] + rotated * sin[:, None]
+    untouched = qkv[:, 12 * 64 :].clone()
+    fused_ops.rope_(qk, cos, sin)
+    assert torch.allclose(qk, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, 12 * 64 :], untouched)  # V is not rotated

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.fused_ops import add_rms_norm_, rms_norm, silu_mul
+from kernels.fused_ops import add_rms_norm_, rms_norm, rope_, silu_mul
 from kernels.quant_linear import QuantizedWeight, cat_rows, linear
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.config import ModelConfig
-from workers.model.rope import RotaryEmbedding, apply_rope
+from workers.model.rope import RotaryEmbedding
 from workers.protocol.errors import ModelLoadError
 
 Weight = torch.Tensor | QuantizedWeight  # a matrix: dense in the model's dtype, or a GGUF's blocks
@@ -111,7 +111,8 @@ class LlamaModel:
                 x = add_rms_norm_(h, mlp_out, layer.attn_norm, eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias)
             # Q and K are adjacent in each row: rotate both heads-sets in one pass.
-            qk = apply_rope(qkv[:, : q_size + kv_size].view(num_tokens, -1, cfg.head_dim), cos, sin)
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, cfg.head_dim)
+            rope_(qk, cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]

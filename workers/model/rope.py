@@ -44,15 +44,6 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for ``positions`` [T], shaped [T, 1, D]; looked up once per forward, used by every layer."""
-        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D] (query and key heads together), cos/sin: [T, 1, D]
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        """cos, sin for ``positions`` [T], shaped [T, D]; looked up once per forward, used by every layer
+        (``kernels.fused_ops.rope_`` applies them)."""
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
