@@ -1,5 +1,6 @@
-"""The compiled CPU decode-attention kernel (``kernels/csrc/paged_decode_cpu.cpp``): built once per
-machine with torch's C++ extension tooling into the Tandem cache, loaded once per process.
+"""The compiled CPU kernels (``kernels/csrc/``: decode attention, quantized linear layers, fused
+elementwise ops): built once per machine with torch's C++ extension tooling into the Tandem cache,
+loaded once per process.
 
     if cpu_kernel.available():
         out = cpu_kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
@@ -32,7 +33,9 @@ SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in (
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_HEADS_PER_KV = 16
 _NAME = "tandem_cpu_kernels"
-_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+# -ffp-contract=off: a dequantized weight is d * q + m rounded twice, as the gguf package computes it.
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2",
+          "-DCPU_CAPABILITY_AVX2"]
 
 
 def available() -> bool:

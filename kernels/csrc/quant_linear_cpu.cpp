@@ -7,13 +7,18 @@
 //                    q[j] = qs[j] & 15 (j < 16), qs[j - 16] >> 4 (j >= 16)
 //   Q8_0, 34 bytes:  | d fp16 | qs[32] int8 |      w[j] = d * qs[j]
 //
-// Each block is unpacked to fp32 once (mul then add, the same two roundings as the gguf package's
-// dequantize, which is what HF runs) and multiplied into up to kRowTile rows of x held in registers;
-// only the summation order differs from x @ dequantize(W)^T. Rows of W are split over ATen's
-// intra-op thread pool (the caller's torch thread count). Activations stay fp32: no int8 rounding.
+// As llama.cpp does, x is quantized per block of 32 too (Q8 with an fp32 scale dx = max|x| / 127, and
+// the block's sum sx = dx * sum qx), so a block's dot product is one integer multiply-add pass:
+//
+//   sum_j w[j] x[j]  ~=  d * dx * sum_j q[j] qx[j]  +  m * sx          (Q4_1; Q8_0 has no m term)
+//
+// AVX2 does sum_j q[j] qx[j] in three instructions (maddubs: u8 x s8 -> pairs of i16; madd: -> i32;
+// cvt), where an fp32 unpack of the same block takes ~30: decode at small batch is then bound by the
+// weight bytes, not the unpacking. Up to kRowTile rows of x share each unpacked block; weight rows are
+// split over ATen's intra-op thread pool (the caller's torch thread count).
 //
 //   x [M, K] fp32, w [N, K / 32 * block_bytes] uint8  ->  y [M, N] fp32
-//   dequantize: w  ->  [N, K] fp32 (for large M, where a BLAS matmul over the whole weight wins)
+//   dequantize: w  ->  [N, K] fp32, bit-exact with the gguf package (for BLAS on long prefill chunks)
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,46 +35,16 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowTile = 4;
 
-// One block's 32 weights as four vectors of 8 floats.
-struct Unpacked {
-  __m256 v[4];
-};
-
-inline __m256 half_to_vec(const uint8_t* p) {
+inline float half_to_float(const uint8_t* p) {
   uint16_t h;
   __builtin_memcpy(&h, p, 2);
-  return _mm256_set1_ps(_cvtsh_ss(h));
+  return _cvtsh_ss(h);
 }
 
-struct Q4_1 {
-  static constexpr int64_t kBytes = 20;
-  static inline Unpacked unpack(const uint8_t* blk) {
-    const __m256 d = half_to_vec(blk), m = half_to_vec(blk + 2);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(qs, mask);                     // q[0..15]
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);  // q[16..31]
-    Unpacked u;
-    u.v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    u.v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    u.v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    u.v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-    for (auto& v : u.v) v = _mm256_add_ps(_mm256_mul_ps(v, d), m);
-    return u;
-  }
-};
-
-struct Q8_0 {
-  static constexpr int64_t kBytes = 34;
-  static inline Unpacked unpack(const uint8_t* blk) {
-    const __m256 d = half_to_vec(blk);
-    Unpacked u;
-    for (int i = 0; i < 4; ++i) {
-      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
-      u.v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
-    }
-    return u;
-  }
+// x quantized per block of 32: q [M, K] int8, scale and sum of the quantized values [M, K / 32] fp32.
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
 };
 
 inline float hsum(__m256 v) {
@@ -79,91 +54,131 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// y[r, n] for the R rows of x starting at x (stride K) and one weight row.
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+void quantize_block(const float* x, int8_t* q, float* scale, float* sum) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+  }
+  const float m = hmax(amax);
+  const __m256 inv = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest
+  *scale = m / 127.f;
+  // The sum of the *quantized* block: with it the m term carries the same rounding as the d term, and the
+  // two cancel (sum (d q + m)(x - e) errs by sum w e; an exact sum x would leave d sum q e, q all >= 0).
+  *sum = *scale * hsum(_mm256_cvtepi32_ps(
+                      _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]))));
+  // packs work within 128-bit lanes; the permute restores element order 0..31.
+  const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+  const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
+                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i8);
+}
+
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / kBlock;
+  QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      quantize_block(x + i * kBlock, out.q.data() + i * kBlock, &out.scale[i], &out.sum[i]);
+  });
+  return out;
+}
+
+inline __m256 i32_sum_to_float(__m256i p16) {  // 16 i16 pair sums -> 8 fp32
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+struct Q4_1 {
+  static constexpr int64_t kBytes = 20;
+  struct Unpacked {
+    __m256i q;  // 32 u8 in 0..15, element order
+    float d, m;
+  };
+  static inline Unpacked unpack(const uint8_t* blk) {
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs);
+    return {_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), half_to_float(blk), half_to_float(blk + 2)};
+  }
+  // acc += d * dx * sum q qx; returns the scalar term m * sx.
+  static inline float dot(const Unpacked& u, const int8_t* qx, float dx, float sx, __m256& acc) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
+    acc = _mm256_fmadd_ps(i32_sum_to_float(_mm256_maddubs_epi16(u.q, x)), _mm256_set1_ps(u.d * dx), acc);
+    return u.m * sx;
+  }
+  static inline void dequantize(const uint8_t* blk, float* out) {
+    const Unpacked u = unpack(blk);
+    alignas(32) uint8_t q[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), u.q);
+    for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(q[j]) * u.d + u.m;  // the gguf package's order
+  }
+};
+
+struct Q8_0 {
+  static constexpr int64_t kBytes = 34;
+  struct Unpacked {
+    __m256i q, abs_q;  // signed weights and their magnitudes (maddubs takes one operand unsigned)
+    float d;
+  };
+  static inline Unpacked unpack(const uint8_t* blk) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    return {q, _mm256_sign_epi8(q, q), half_to_float(blk)};
+  }
+  static inline float dot(const Unpacked& u, const int8_t* qx, float dx, float, __m256& acc) {
+    const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx)), u.q);
+    acc = _mm256_fmadd_ps(i32_sum_to_float(_mm256_maddubs_epi16(u.abs_q, x)), _mm256_set1_ps(u.d * dx), acc);
+    return 0.f;
+  }
+  static inline void dequantize(const uint8_t* blk, float* out) {
+    const float d = half_to_float(blk);
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(q[j]) * d;
+  }
+};
+
+// y[r, n] for R rows of quantized x (starting at row m0) against one weight row.
 template <typename F, int R>
-inline void dot_rows(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
+inline void dot_rows(const QuantizedX& x, int64_t m0, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
+  const int64_t nb = K / kBlock;
   __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const Unpacked u = F::unpack(wrow + b * F::kBytes);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * K + b * kBlock;
-      for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(u.v[i], _mm256_loadu_ps(xb + 8 * i), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]);
-}
-
-// Past kRowTile rows of x, unpacking a block again for every tile costs more than the multiplies: unpack
-// two weight rows once into fp32 scratch (L1-resident: K <= a few thousand) and run 2 x kRowTile tiles.
-template <typename F>
-void unpack_row(const uint8_t* wrow, int64_t K, float* out) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const Unpacked u = F::unpack(wrow + b * F::kBytes);
-    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * kBlock + 8 * i, u.v[i]);
-  }
-}
-
-// y[r, 0] and y[r, 1] for R rows of x against two unpacked weight rows.
-template <int R>
-inline void dot_two(const float* x, int64_t K, const float* w0, const float* w1, float* y, int64_t ldy) {
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
-      a0[r] = _mm256_fmadd_ps(v0, xv, a0[r]);
-      a1[r] = _mm256_fmadd_ps(v1, xv, a1[r]);
-    }
-  }
+  float extra[R];
   for (int r = 0; r < R; ++r) {
-    y[r * ldy] = hsum(a0[r]);
-    y[r * ldy + 1] = hsum(a1[r]);
+    acc[r] = _mm256_setzero_ps();
+    extra[r] = 0.f;
   }
-}
-
-void dot_two_rows(const float* x, int64_t M, int64_t K, const float* w0, const float* w1, float* y, int64_t ldy) {
-  int64_t m = 0;
-  for (; m + kRowTile <= M; m += kRowTile) dot_two<kRowTile>(x + m * K, K, w0, w1, y + m * ldy, ldy);
-  switch (M - m) {
-    case 3: dot_two<3>(x + m * K, K, w0, w1, y + m * ldy, ldy); break;
-    case 2: dot_two<2>(x + m * K, K, w0, w1, y + m * ldy, ldy); break;
-    case 1: dot_two<1>(x + m * K, K, w0, w1, y + m * ldy, ldy); break;
-    default: break;
+  for (int64_t b = 0; b < nb; ++b) {
+    const typename F::Unpacked u = F::unpack(wrow + b * F::kBytes);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * nb + b;
+      extra[r] += F::dot(u, x.q.data() + i * kBlock, x.scale[i], x.sum[i], acc[r]);
+    }
   }
+  for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]) + extra[r];
 }
 
 // Weight rows [begin, end) against all of x: y[:, begin:end].
 template <typename F>
-void linear_block(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
-                  int64_t begin, int64_t end) {
-  if (M <= kRowTile) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* wrow = w + n * row_bytes;
-      switch (M) {
-        case 4: dot_rows<F, 4>(x, K, wrow, y + n, N); break;
-        case 3: dot_rows<F, 3>(x, K, wrow, y + n, N); break;
-        case 2: dot_rows<F, 2>(x, K, wrow, y + n, N); break;
-        default: dot_rows<F, 1>(x, K, wrow, y + n, N); break;
-      }
-    }
-    return;
-  }
-  std::vector<float> scratch(2 * K);
-  float* w0 = scratch.data();
-  float* w1 = w0 + K;
-  float pair[2 * 1];
-  for (int64_t n = begin; n < end; n += 2) {
-    unpack_row<F>(w + n * row_bytes, K, w0);
-    if (n + 1 < end) {
-      unpack_row<F>(w + (n + 1) * row_bytes, K, w1);
-      dot_two_rows(x, M, K, w0, w1, y + n, N);
-    } else {  // an odd last row: pair it with itself, keep one column
-      for (int64_t m = 0; m < M; ++m) {
-        dot_two<1>(x + m * K, K, w0, w0, pair, 1);
-        y[m * N + n] = pair[0];
-      }
+void linear_block(const QuantizedX& x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
+                  int64_t N, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* wrow = w + n * row_bytes;
+    int64_t m = 0;
+    for (; m + kRowTile <= M; m += kRowTile) dot_rows<F, kRowTile>(x, m, K, wrow, y + m * N + n, N);
+    switch (M - m) {
+      case 3: dot_rows<F, 3>(x, m, K, wrow, y + m * N + n, N); break;
+      case 2: dot_rows<F, 2>(x, m, K, wrow, y + m * N + n, N); break;
+      case 1: dot_rows<F, 1>(x, m, K, wrow, y + m * N + n, N); break;
+      default: break;
     }
   }
 }
@@ -185,8 +200,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // Each thread walks its own weight rows; every row meets all of x (M small: x stays in L1/L2).
+  const QuantizedX qx = quantize_x(xp, M, K);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    linear_block<F>(xp, M, K, wp, row_bytes, yp, N, begin, end);
+    linear_block<F>(qx, M, K, wp, row_bytes, yp, N, begin, end);
   });
   return y;
 }
@@ -200,12 +216,8 @@ at::Tensor dequantize(const at::Tensor& w, int64_t K) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t b = 0; b < K / kBlock; ++b) {
-        const Unpacked u = F::unpack(wp + n * row_bytes + b * F::kBytes);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(op + n * K + b * kBlock + 8 * i, u.v[i]);
-      }
-    }
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t b = 0; b < K / kBlock; ++b) F::dequantize(wp + n * row_bytes + b * F::kBytes, op + n * K + b * kBlock);
   });
   return out;
 }

@@ -1,7 +1,9 @@
 """The quantized linear kernels (kernels/csrc/quant_linear_cpu.cpp) against the gguf package's own
 dequantize, which HF runs: blocks made by gguf's quantize and blocks from the bundled GGUF; every row
-count through the register tiles, their tails, the two-row scratch path and the BLAS path; odd row
-counts of W; then the fused elementwise ops against torch."""
+count through the register tiles, their tails and the BLAS path; odd row counts of W. Below
+DENSE_FROM_ROWS the kernel rounds x to 8 bits a block (llama.cpp's Q8): it must equal a readable torch
+emulation of that rounding to fp32 precision, and the exact product to within what the rounding costs.
+Then the fused elementwise ops against torch."""
 
 from __future__ import annotations
 
@@ -40,17 +42,29 @@ def test_dequantize_is_bit_exact(fmt: str) -> None:
     assert torch.equal(w.rows(ids), reference[ids])
 
 
+def q8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: each block of 32 rounded to int8 steps of max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32).double()
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    return torch.where(step > 0, torch.round(blocks / step) * step, blocks).reshape(x.shape)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", ROW_COUNTS)
 def test_linear_matches_dequantized_matmul(fmt: str, m: int) -> None:
-    w, reference = random_weight(fmt, 67, 160, seed=m)  # an odd N: the scratch path's last lone row
+    w, reference = random_weight(fmt, 67, 160, seed=m)  # an odd N
     x = torch.randn(m, 160)
+    x[:, 7] *= 30  # an outlier channel, as real activations have
     bias = torch.randn(67)
-    got = quant_linear.linear(x, w, bias)
-    expected = x.double() @ reference.double().T + bias.double()
-    # Only the summation order differs from an fp32 matmul: fp32 rounding of 160-term sums.
+    got = quant_linear.linear(x, w, bias).double()
+    exact = x.double() @ reference.double().T + bias.double()
     assert got.shape == (m, 67)
-    assert (got.double() - expected).abs().max().item() < 1e-3
+    if m >= quant_linear.DENSE_FROM_ROWS:  # dequantize + BLAS: only the summation order differs
+        assert (got - exact).abs().max().item() < 1e-3
+        return
+    emulated = q8_rounded(x) @ reference.double().T + bias.double()
+    assert (got - emulated).abs().max().item() < 1e-3
+    assert ((got - exact).norm() / exact.norm()).item() < 0.02  # what 8-bit activations cost
 
 
 def test_bundled_gguf_blocks(quantized_model, default_model_and_tokenizer) -> None:

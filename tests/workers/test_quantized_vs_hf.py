@@ -1,7 +1,9 @@
 """The quantized path (the GGUF's Q4_1/Q8_0 blocks through the compiled kernel) against HF running the
-same GGUF dequantized to fp32. Each weight is the same fp32 number on both sides; only the order of the
-sums differs, so logits agree to rounding and greedy text agrees until two candidate tokens nearly tie.
-The figures are printed (run with -s) for the record; the bounds below are what rounding allows."""
+same GGUF dequantized to fp32. Each weight is the same fp32 number on both sides, but the kernel rounds
+activations to 8 bits a block of 32 (as llama.cpp does): logits move by up to ~1 (of ~25) and greedy
+text forks where HF's two best tokens nearly tie (e.g. 'The' 25.33 against 'L' 25.24 for "What is the
+capital of France?"). The figures are printed (run with -s) for the record; measured 2026-11-23:
+max |diff| 1.11, top-1 equal at 2243/2243 prompt positions, 5/8 greedy continuations identical."""
 
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ def test_prefill_logits_agree(hf_reference, quantized_model, prompt_ids):
         top1_same += int((got.argmax(-1) == expected.argmax(-1)).sum())
         positions += len(ids)
     print(f"\nquantized vs HF prefill logits: max |diff| {worst:.2e}; top-1 equal at {top1_same}/{positions}")
-    assert worst < 1e-3
-    assert top1_same >= positions - 2  # a near-tie may flip
+    assert worst < 2.0
+    assert top1_same >= 0.99 * positions
 
 
 def test_greedy_text_agrees(quantized_engine, prompt_ids, hf_outputs):
@@ -45,4 +47,4 @@ def test_greedy_text_agrees(quantized_engine, prompt_ids, hf_outputs):
                          for g, h in zip(got, hf_outputs, strict=True) if g != h]
     print(f"\nquantized vs HF greedy: {same}/{len(got)} continuations identical (up to {NUM_NEW} tokens); "
           f"where not, the first differing token: {first_differences}")
-    assert same >= len(got) - 1
+    assert same >= len(got) // 2

@@ -1,0 +1,111 @@
+"""Engine decode speed on this CPU against the floor set by the bytes a step reads.
+
+    .venv/bin/python tests/bench/bench_quant_decode.py [--steps 40] [--threads N]
+
+Decode at small batch reads every weight once a step, so its floor is (bytes of weights) / (memory
+read bandwidth). Measured side by side in one run:
+1. the machine's read bandwidth (torch ``sum`` over 512 MB, median of 5);
+2. the bytes of weights one step reads, as the GGUF ships them (Q4_1 layers, Q8_0 head) and dequantized
+   to fp32, and the floor each sets;
+3. decode-only engine steps (median) at batch 1 and 8, quantized and dense, with fresh random prompts
+   of 100-160 tokens (no prefix shared between requests: caches cold).
+Targets (issue 20): quantized batch 1 <= 1.3x its floor; a batch-8 step <= 2x a batch-1 step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from kernels.quant_linear import QuantizedWeight  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+from workers.model.llama import LlamaModel  # noqa: E402
+from workers.protocol.sampling_params import SamplingParams  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def read_bandwidth() -> float:
+    """Bytes a second that one ``sum`` streams from memory (512 MB: far past every cache)."""
+    big = torch.ones(128 * 1024 * 1024)
+    big.sum()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - t0)
+    return big.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes(model: LlamaModel) -> int:
+    """Bytes of the matrices one decode step reads (the tied head once; the embedding lookup is a few rows)."""
+    def size(w: torch.Tensor | QuantizedWeight) -> int:
+        return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+
+    total = size(model.lm_head)
+    for layer in model.layers:
+        total += sum(size(w) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    return total
+
+
+def decode_step_seconds(engine: Engine, batch: int, steps: int, rng: random.Random) -> float:
+    """Median seconds of a decode-only step with ``batch`` requests running."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(100, 160))]
+        engine.add_request(prompt, params)
+    times: list[float] = []
+    while engine.has_unfinished and len(times) < steps:
+        t0 = time.perf_counter()
+        result = engine.step()
+        if result.is_decode_only and result.num_tokens == batch:
+            times.append(time.perf_counter() - t0)
+    while engine.has_unfinished:
+        engine.step()
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    bandwidth = read_bandwidth()
+    print(f"threads {args.threads}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    rows = {}
+    for fmt in ("gguf", "dense"):
+        log(f"loading the default model ({fmt})")
+        engine = Engine(EngineConfig(weight_format=fmt, num_kv_blocks=512, enable_prefix_caching=False))
+        nbytes = weight_bytes(engine.model)
+        decode_step_seconds(engine, 1, 4, rng)  # warm-up: the process meets its shapes
+        b1 = decode_step_seconds(engine, 1, args.steps, rng)
+        b8 = decode_step_seconds(engine, 8, args.steps, rng)
+        rows[fmt] = (nbytes, nbytes / bandwidth, b1, b8)
+        del engine
+    print(f"{'weights':<8} {'MB/step':>8} {'floor ms':>9} {'b1 ms':>7} {'b1/floor':>9} {'b8 ms':>7} {'b8/b1':>6} "
+          f"{'tok/s b1':>9} {'tok/s b8':>9}")
+    for fmt, (nbytes, floor, b1, b8) in rows.items():
+        print(f"{fmt:<8} {nbytes / 1e6:8.1f} {floor * 1e3:9.1f} {b1 * 1e3:7.1f} {b1 / floor:9.2f} {b8 * 1e3:7.1f} "
+              f"{b8 / b1:6.2f} {1 / b1:9.1f} {8 / b8:9.1f}")
+    q, d = rows["gguf"], rows["dense"]
+    print(f"quantized vs dense: batch 1 {d[2] / q[2]:.2f}x faster, batch 8 {d[3] / q[3]:.2f}x faster")
+    print(f"targets: quantized b1/floor {q[2] / q[1]:.2f} (<= 1.3), b8/b1 {q[3] / q[2]:.2f} (<= 2.0)")
+
+
+if __name__ == "__main__":
+    main()
