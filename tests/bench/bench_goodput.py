@@ -1,0 +1,149 @@
+"""Goodput at a chat SLO: the default ``tandem serve`` against llama.cpp's ``llama-server`` on this machine.
+
+    .venv/bin/python tests/bench/bench_goodput.py [--rates 0.1,0.2,0.3,0.45] [--num-requests 24]
+        [--llama-server PATH] [--config YAML] [--out runs/goodput]
+
+Both servers run the bundled SmolLM2-135M GGUF, one after the other, driven by the same seeded
+``tandem loadgen`` workload at each rate: Poisson arrivals, new prompts of 200-500 tokens for every
+request (each rate its own seed, so neither server's prompt cache hits), 64-256 output tokens, a
+quarter of the chats sent without max_tokens (they end at EOS or max_model_len). A request meets the
+SLO with TTFT <= 2 s and TPOT <= 100 ms. Capacity is the highest rate at which >= 90% meet it; the
+ratio of capacities is the figure of issue 20 (target >= 1.5).
+
+llama-server is not a Python package: build it with the recipe in ../shared/PEERS.md and pass its
+path (or set LLAMA_SERVER). Without it the bench measures Tandem alone and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from workers.model.loader import default_model_path  # noqa: E402
+
+SLO_TTFT_MS, SLO_TPOT_MS, TARGET = 2000.0, 100.0, 0.9
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server at {url} not ready within {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def start_tandem(port: int, config: str | None, log_dir: Path) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)]
+    if config:
+        cmd += ["--config", config]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_dir / "tandem.log", "wb"), stderr=subprocess.STDOUT)
+
+
+def start_llama(binary: str, port: int, log_dir: Path) -> subprocess.Popen[bytes]:
+    cmd = [binary, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+           "-np", "8", "-c", "16384", "--alias", "SmolLM2-135M-Instruct"]
+    return subprocess.Popen(cmd, stdout=open(log_dir / "llama.log", "wb"), stderr=subprocess.STDOUT)
+
+
+def run_rate(url: str, rate: float, seed: int, num_requests: int, out: Path) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "loadgen", "--url", url, "--rate", str(rate), "--num-requests", str(num_requests),
+           "--input-len", "uniform:200:500", "--output-len", "uniform:64:256", "--open-ended", "0.25",
+           "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS), "--seed", str(seed),
+           "--no-progress", "--out", str(out)]
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    s = json.loads((out / "report.json").read_text())["summary"]
+    return {"attainment": s["slo_attainment"], "ttft_p50": s["ttft_ms"]["p50"], "tpot_p50": s["tpot_ms"]["p50"],
+            "ttft_p90": s["ttft_ms"]["p90"], "tpot_p90": s["tpot_ms"]["p90"], "errors": s["num_errors"]}
+
+
+def sweep(name: str, proc: subprocess.Popen[bytes], url: str, rates: list[float], args: argparse.Namespace,
+          out: Path) -> dict[float, dict[str, float]]:
+    try:
+        wait_ready(url, proc, timeout_s=300)
+        log(f"{name} ready; warming up")
+        run_rate(url, 0.5, 999, 3, out / name / "warmup")  # the process meets its shapes once
+        points = {}
+        for i, rate in enumerate(rates):
+            points[rate] = run_rate(url, rate, 1000 + i, args.num_requests, out / name / f"rate_{rate:g}")
+            p = points[rate]
+            log(f"{name} @ {rate:g} req/s: {p['attainment']:.0%} met; TTFT p50 {p['ttft_p50']:.0f} ms, "
+                f"TPOT p50 {p['tpot_p50']:.0f} ms")
+        return points
+    finally:
+        stop(proc)
+
+
+def capacity(points: dict[float, dict[str, float]]) -> float:
+    good = [r for r, p in points.items() if p["attainment"] >= TARGET]
+    return max(good, default=0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="0.1,0.2,0.3,0.45")
+    parser.add_argument("--num-requests", type=int, default=24)
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"))
+    parser.add_argument("--config", default=None, help="tandem cluster YAML (default: the built-in default)")
+    parser.add_argument("--out", default="runs/goodput")
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"tandem": sweep("tandem", start_tandem(8100, args.config, out), "http://127.0.0.1:8100", rates,
+                               args, out)}
+    if args.llama_server:
+        results["llama.cpp"] = sweep("llama.cpp", start_llama(args.llama_server, 8200, out), "http://127.0.0.1:8200",
+                                     rates, args, out)
+    else:
+        log("no llama-server given (--llama-server or LLAMA_SERVER): Tandem alone")
+    print(f"SLO: TTFT <= {SLO_TTFT_MS:.0f} ms, TPOT <= {SLO_TPOT_MS:.0f} ms; {args.num_requests} requests a rate")
+    print(f"{'rate':>6} | " + " | ".join(f"{n:^38}" for n in results))
+    print(f"{'req/s':>6} | " + " | ".join(f"{'met':>5} {'TTFT p50/p90 ms':>16} {'TPOT p50/p90':>14}" for _ in results))
+    for rate in rates:
+        cells = [f"{p['attainment']:5.0%} {p['ttft_p50']:7.0f}/{p['ttft_p90']:<8.0f} "
+                 f"{p['tpot_p50']:6.0f}/{p['tpot_p90']:<7.0f}" for p in (r[rate] for r in results.values())]
+        print(f"{rate:6g} | " + " | ".join(cells))
+    caps = {n: capacity(p) for n, p in results.items()}
+    print("capacity (>= 90% met): " + ", ".join(f"{n} {c:g} req/s" for n, c in caps.items()))
+    if "llama.cpp" in caps:
+        ratio = caps["tandem"] / caps["llama.cpp"] if caps["llama.cpp"] else float("inf")
+        print(f"tandem / llama.cpp capacity: {ratio:.2f} (target >= 1.5)")
+    (out / "summary.json").write_text(json.dumps({"rates": rates, "results": {n: {str(r): p for r, p in pts.items()}
+                                                                              for n, pts in results.items()},
+                                                  "capacity": caps}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
