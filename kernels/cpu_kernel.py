@@ -59,6 +59,11 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
                                                        seq_lens.contiguous(), scale)
 
 
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Shapes as ``torch_paged.store_kv_torch``; any dtype the caches share."""
+    torch.ops.tandem_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
 @functools.cache  # one build-or-load per process; None when loaded, else why not
 def _load() -> str | None:
     if os.environ.get("TANDEM_CPU_KERNEL", "1") == "0":

@@ -1,7 +1,7 @@
 """The one entry point for attention: picks a backend per call.
 
 ``backend=None`` means Triton for CUDA tensors; on CPU, the compiled decode kernel (``cpu``: the
-C++ kernel for decode, torch for prefill and store_kv) where it builds, else torch. The Triton
+C++ kernels for decode and store_kv, torch for prefill) where it builds, else torch. The Triton
 backend (``kernels.triton_ops``) is imported on first use, once: a machine where Triton can't load
 still runs the torch path; so does one where the C++ kernel can't be built.
 """
@@ -84,7 +84,11 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
              backend: str | None = None) -> None:
-    if resolve_backend(k.device, backend) == "triton":
+    chosen = resolve_backend(k.device, backend)
+    if chosen == "triton":
         _triton().store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
+    if chosen == "cpu":
+        cpu_kernel.store_kv(k, v, k_cache, v_cache, slot_mapping)
         return
     torch_paged.store_kv_torch(k, v, k_cache, v_cache, slot_mapping)

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 
@@ -147,11 +148,43 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// Each token's K and V rows into its cache slot (slot -1: a padding token, skipped): one copy a row, where
+// the torch path's validity mask, gathers and index_copy_ cost ~40 us a layer for a single decode token.
+//   k, v [T, KVH, D] (rows may be strided views of a fused QKV), caches [num_blocks, block_size, KVH, D]
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "bad shapes");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtypes differ");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "each token's K and V heads must be one contiguous row");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches only");
+  TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == k.size(1) * k.size(2), "head shapes disagree");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt, "integer slots");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    if (sp[t] < 0) continue;
+    TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " past the cache's ", num_slots);
+    std::memcpy(kc + sp[t] * row_bytes, kp + t * k.stride(0) * k.element_size(), row_bytes);
+    std::memcpy(vc + sp[t] * row_bytes, vp + t * v.stride(0) * v.element_size(), row_bytes);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale) -> Tensor");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("store_kv", &store_kv);
+}

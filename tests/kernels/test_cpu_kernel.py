@@ -74,3 +74,20 @@ def test_engine_greedy_output_with_the_cpu_kernel_equals_torch(default_model_and
         assert engine.runner.attention_backend == backend
         outs[backend] = [r.token_ids for r in engine.generate(prompts, params)]
     assert outs["cpu"] == outs["torch"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_matches_reference_and_skips_padding(dtype: torch.dtype) -> None:
+    from kernels.reference import store_kv_ref
+
+    kc, vc = make_cache(4, 4, 2, 32, dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    qkv = torch.randn(5, (4 + 2 * 2) * 32).to(dtype)  # K and V as strided views of a fused QKV row
+    k = qkv[:, 4 * 32 : 6 * 32].view(5, 2, 32)
+    v = qkv[:, 6 * 32 :].view(5, 2, 32)
+    slots = torch.tensor([3, -1, 8, 15, -1])
+    cpu_kernel.store_kv(k, v, kc, vc, slots)
+    store_kv_ref(k, v, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu_kernel.store_kv(k, v, kc, vc, torch.tensor([0, 1, 2, 3, 16]))
