@@ -33,6 +33,9 @@ class ModelSection(_Strict):
     path: str | None = None  # GGUF file or HF directory; None: the bundled SmolLM2-135M-Instruct
     served_name: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # gguf: a GGUF's Q4_1/Q8_0 blocks through the compiled CPU kernel; dense: dequantized to dtype;
+    # auto: gguf on CPU in float32 where the kernel builds, else dense.
+    weight_format: Literal["auto", "gguf", "dense"] = "auto"
     max_model_len: int | None = Field(default=2048, ge=16)
 
 
@@ -140,7 +143,8 @@ class ClusterConfig(_Strict):
 
     def engine_config(self, role: str) -> EngineConfig:
         e = self.pool(role).engine
-        return EngineConfig(model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len,
+        return EngineConfig(model=self.model.path, dtype=self.model.dtype, weight_format=self.model.weight_format,
+                            max_model_len=self.model.max_model_len,
                             block_size=e.block_size, kv_cache_bytes=e.kv_cache_bytes,
                             kv_cache_memory_fraction=e.kv_cache_memory_fraction, max_num_seqs=e.max_num_seqs,
                             max_num_batched_tokens=e.max_num_batched_tokens,

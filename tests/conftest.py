@@ -25,34 +25,47 @@ def default_source():
 
 @pytest.fixture(scope="session")
 def default_model_and_tokenizer(default_source):
-    """Our model and tokenizer, shared by every engine built in tests (engines keep KV apart): dense
-    fp32 weights, the path that is token-exact against HF."""
+    """The model and tokenizer ``tandem serve`` runs (on CPU: the GGUF's quantized blocks where the compiled
+    kernels build), shared by every engine built in tests (engines keep KV apart)."""
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=str(default_source.path), num_kv_blocks=16, weight_format="dense"))
+    engine = Engine(EngineConfig(model=str(default_source.path), num_kv_blocks=16))
     return engine.model, engine.tokenizer
 
 
 @pytest.fixture(scope="session")
-def quantized_model(default_source):
-    """The default model on its GGUF's Q4_1/Q8_0 blocks (what ``tandem serve`` runs on CPU)."""
+def dense_model(default_source):
+    """The default model dequantized to fp32: the path that is token-exact against HF."""
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
 
-    return Engine(EngineConfig(model=str(default_source.path), num_kv_blocks=16, weight_format="gguf")).model
+    return Engine(EngineConfig(model=str(default_source.path), num_kv_blocks=16, weight_format="dense")).model
 
 
 @pytest.fixture(scope="session")
-def make_engine(default_model_and_tokenizer):
+def quantized_model(default_model_and_tokenizer):
+    """The default model on its GGUF's Q4_1/Q8_0 blocks."""
+    from kernels.quant_linear import QuantizedWeight
+
+    model = default_model_and_tokenizer[0]
+    if not isinstance(model.embed, QuantizedWeight):
+        pytest.skip("the compiled CPU kernels cannot be built here: the default model runs dense")
+    return model
+
+
+@pytest.fixture(scope="session")
+def make_engine(request, default_model_and_tokenizer):
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
 
     model, tokenizer = default_model_and_tokenizer
 
-    def make(**knobs):
+    def make(dense: bool = False, **knobs):
+        """An engine on the shared default model (``dense``: on the fp32 one)."""
         knobs.setdefault("num_kv_blocks", 1024)
-        return Engine(EngineConfig(**knobs), model=model, tokenizer=tokenizer)
+        chosen = request.getfixturevalue("dense_model") if dense else model  # loaded only where asked for
+        return Engine(EngineConfig(**knobs), model=chosen, tokenizer=tokenizer)
 
     return make
 

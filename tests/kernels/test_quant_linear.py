@@ -67,10 +67,10 @@ def test_linear_matches_dequantized_matmul(fmt: str, m: int) -> None:
     assert ((got - exact).norm() / exact.norm()).item() < 0.02  # what 8-bit activations cost
 
 
-def test_bundled_gguf_blocks(quantized_model, default_model_and_tokenizer) -> None:
+def test_bundled_gguf_blocks(quantized_model, dense_model) -> None:
     """The model's stacked Q/K/V blocks, un-permuted by whole rows, equal the dense (HF-layout) weights."""
     qkv = quantized_model.layers[3].qkv
-    dense = default_model_and_tokenizer[0].layers[3].qkv
+    dense = dense_model.layers[3].qkv
     assert isinstance(qkv, QuantizedWeight) and qkv.format == "q4_1"
     assert torch.equal(qkv.dequantize(), dense)
     assert isinstance(quantized_model.embed, QuantizedWeight) and quantized_model.embed.format == "q8_0"

@@ -36,7 +36,7 @@ def test_tokenization_and_chat_template_match_hf(hf_reference, prompts, prompt_i
 
 def test_prefill_logits_match_hf(hf_reference, make_engine, prompt_ids):
     hf_model, _ = hf_reference
-    model = make_engine().model
+    model = make_engine(dense=True).model
     for ids in prompt_ids[:7:2]:
         with torch.inference_mode():
             expected = hf_model(torch.tensor([ids])).logits[0]
@@ -45,13 +45,13 @@ def test_prefill_logits_match_hf(hf_reference, make_engine, prompt_ids):
 
 
 def test_one_at_a_time(make_engine, prompt_ids, hf_outputs):
-    engine = make_engine()
+    engine = make_engine(dense=True)
     for ids, expected in zip(prompt_ids, hf_outputs, strict=True):
         assert engine.generate([ids], GREEDY)[0].token_ids == expected
 
 
 def test_continuous_batch_with_staggered_arrivals(make_engine, prompt_ids, hf_outputs):
-    engine = make_engine(max_num_batched_tokens=2048)
+    engine = make_engine(dense=True, max_num_batched_tokens=2048)
     got: dict[str, list[int]] = {}
     pending = list(enumerate(prompt_ids))
     step = 0
@@ -67,13 +67,13 @@ def test_continuous_batch_with_staggered_arrivals(make_engine, prompt_ids, hf_ou
 
 
 def test_chunked_prefill_at_64_tokens(make_engine, prompt_ids, hf_outputs):
-    engine = make_engine(prefill_chunk_size=64)
+    engine = make_engine(dense=True, prefill_chunk_size=64)
     results = engine.generate(prompt_ids, GREEDY)
     assert [r.token_ids for r in results] == hf_outputs
 
 
 def test_after_prefix_cache_filled(make_engine, prompt_ids, hf_outputs):
-    engine = make_engine()
+    engine = make_engine(dense=True)
     engine.generate(prompt_ids, GREEDY)  # fills the prefix cache
     ids = [engine.add_request(p, GREEDY) for p in prompt_ids]
     got = {rid: [] for rid in ids}
