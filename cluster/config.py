@@ -125,11 +125,22 @@ class AutoscalerSection(_Strict):
     scale_down_delay_s: float = Field(default=120.0, ge=0)
 
 
+def _default_prefill_pool() -> PoolSection:
+    # None by default: on a small CPU host one decode worker that prefills locally on every core serves more at
+    # a chat SLO than splitting the cores (deploy/local-cpu.yaml has the measurement). Prefill workers can
+    # still be added live (`tandem scale prefill=1`) or in the YAML.
+    return PoolSection(replicas=0, min_replicas=0)
+
+
+def _default_decode_pool() -> PoolSection:
+    return PoolSection(resources=ResourcesSection(num_cpus=2.0))
+
+
 class ClusterConfig(_Strict):
     name: str = "default"
     model: ModelSection = Field(default_factory=ModelSection)
-    prefill: PoolSection = Field(default_factory=PoolSection)
-    decode: PoolSection = Field(default_factory=PoolSection)
+    prefill: PoolSection = Field(default_factory=_default_prefill_pool)
+    decode: PoolSection = Field(default_factory=_default_decode_pool)
     transport: TransportSection = Field(default_factory=TransportSection)
     router: RouterSection = Field(default_factory=RouterSection)
     redis: RedisSection = Field(default_factory=RedisSection)

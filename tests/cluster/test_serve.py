@@ -48,14 +48,14 @@ def test_serve_answers_then_stops_everything_it_started(make_engine, tmp_path):
             if hits >= num_prompt_blocks * 16 or time.monotonic() > deadline:  # load reports come every 0.1 s
                 break
             time.sleep(0.2)
-        assert sorted(workers) == ["decode-0", "prefill-0"]
+        assert sorted(workers) == ["decode-0"]  # the default on a small CPU host: one worker, local prefill
         assert num_prompt_blocks > 0 and hits >= num_prompt_blocks * 16
         for w in workers.values():
             assert w["healthy"] and w["num_running"] == 0 and w["num_waiting"] == 0
             assert 0 <= w["kv_blocks_used"] < w["kv_blocks_total"]
         table = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", url], capture_output=True,
                                text=True, timeout=60, check=True).stdout
-        assert "decode-0" in table and "prefill-0" in table
+        assert "decode-0" in table
         chat_without_max_tokens_32_at_once(url, tmp_path / "serve.log")
     finally:
         stopped = stop_group(proc, dump_stacks=True)
@@ -87,9 +87,9 @@ def chat_without_max_tokens_32_at_once(url: str, log: Path) -> None:
     assert len(replies) == 32
     for reply in replies:
         assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
-    for worker in ("prefill-0", "decode-0"):  # each worker's KV size, from a share of free memory
-        assert re.search(rf"{worker} ready .*KV cache .* of .* free host memory\): [\d,]+ blocks of 16 = "
-                         r"[\d,]+ tokens", log.read_text())
+    # the worker's KV size, from a share of free memory
+    assert re.search(r"decode-0 ready .*KV cache .* of .* free host memory\): [\d,]+ blocks of 16 = [\d,]+ tokens",
+                     log.read_text())
 
 
 @pytest.mark.slow

@@ -130,11 +130,6 @@ class LlamaModel:
             return self.embed.rows(input_ids)
         return F.embedding(input_ids, self.embed)
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        if isinstance(self.embed, QuantizedWeight):
-            return self.embed.rows(input_ids)
-        return F.embedding(input_ids, self.embed)
-
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    attn: AttentionMetadata) -> torch.Tensor:
         nd = attn.num_decode_tokens
