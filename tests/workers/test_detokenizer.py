@@ -53,7 +53,7 @@ def test_held_back_prefix_released_when_stop_never_comes(tokenizer):
 
 
 def test_engine_stop_string_finishes_with_reason(make_engine):
-    engine = make_engine()
+    engine = make_engine(dense=True)  # the HF-exact path, whose answer is known
     from workers.protocol.sampling_params import SamplingParams
 
     chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
