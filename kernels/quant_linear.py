@@ -7,8 +7,9 @@ Decode at small batch is bound by the bytes of weights a step reads: Q4_1 is 5 b
 against fp32's 32. Up to ``DENSE_FROM_ROWS`` rows of x the compiled kernel
 (``kernels/csrc/quant_linear_cpu.cpp``) multiplies straight from the blocks; from there on (a long
 prefill chunk) the weight is dequantized in slabs of rows and multiplied with torch's BLAS, which is
-faster once the multiply, not the read, is the cost. Either way each weight is ``d * q + m`` in fp32
-exactly as the gguf package (and HF) dequantize it; only the summation order differs.
+faster once the multiply, not the read, is the cost. Both paths round x to 8 bits a block of 32 (as
+llama.cpp does) and multiply the same numbers, so a request's tokens do not depend on how many other
+tokens shared its step; only the summation order differs.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def linear(x: Tensor, w: Tensor | QuantizedWeight, bias: Tensor | None = None) -
     if x.shape[0] < DENSE_FROM_ROWS:
         op = torch.ops.tandem_cpu.q4_1_linear if w.format == "q4_1" else torch.ops.tandem_cpu.q8_0_linear
         y = op(x.contiguous(), w.data)
-    else:
-        y = torch.cat([F.linear(x, _dequantize(w.format, w.data[n : n + SLAB_ROWS], w.in_features))
+    else:  # x rounded as the kernel rounds it: a row's result does not hang on its batch's size
+        xq = torch.ops.tandem_cpu.q8_round(x.contiguous())
+        y = torch.cat([F.linear(xq, _dequantize(w.format, w.data[n : n + SLAB_ROWS], w.in_features))
                        for n in range(0, w.out_features, SLAB_ROWS)], dim=1)
     return y if bias is None else y + bias
 

@@ -207,6 +207,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+// x as the blockwise kernel sees it (dx * qx, each block of 32 rounded to 8 bits), in fp32: the BLAS path
+// multiplies this, so a row's result does not depend on whether its batch was small or large.
+at::Tensor q8_round(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] contiguous fp32");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32, got ", x.size(1));
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  const QuantizedX qx = quantize_x(x.data_ptr<float>(), M, K);
+  at::Tensor out = at::empty({M, K}, x.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t j = 0; j < kBlock; ++j) op[i * kBlock + j] = qx.scale[i] * static_cast<float>(qx.q[i * kBlock + j]);
+  });
+  return out;
+}
+
 template <typename F>
 at::Tensor dequantize(const at::Tensor& w, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N, bytes] contiguous uint8");
@@ -228,6 +244,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("q4_1_linear(Tensor x, Tensor w) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor w) -> Tensor");
   m.def("q4_1_dequantize(Tensor w, int k) -> Tensor");
+  m.def("q8_round(Tensor x) -> Tensor");
   m.def("q8_0_dequantize(Tensor w, int k) -> Tensor");
 }
 
@@ -235,5 +252,6 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("q4_1_linear", &quant_linear<Q4_1>);
   m.impl("q8_0_linear", &quant_linear<Q8_0>);
   m.impl("q4_1_dequantize", &dequantize<Q4_1>);
+  m.impl("q8_round", &q8_round);
   m.impl("q8_0_dequantize", &dequantize<Q8_0>);
 }

@@ -19,7 +19,8 @@ def test_a_pool_asking_for_resources_no_node_offers_is_named(capsys):
 
 
 def test_a_local_cluster_has_cpus_for_every_pool_at_its_bounds():
-    assert Launcher(parse_config({})).local_num_cpus() == max(os.cpu_count() or 1, 8)  # 4 + 4 workers of 1 CPU
+    # at max_replicas: 4 prefill workers of 1 CPU + 4 decode workers of 2
+    assert Launcher(parse_config({})).local_num_cpus() == max(os.cpu_count() or 1, 4 + 8)
     wide = parse_config({"decode": {"max_replicas": 30, "resources": {"num_cpus": 0.5}}})
     assert Launcher(wide).local_num_cpus() == max(os.cpu_count() or 1, 4 + 15)
     assert Launcher(parse_config({"ray": {"num_cpus": 3}})).local_num_cpus() == 3  # said explicitly: kept

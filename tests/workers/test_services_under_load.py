@@ -1,5 +1,7 @@
 """The prefill and decode services when the decode worker's KV pool is too small for what arrives: requests
-queue, KV grows as tokens come, preemption recomputes, and the queue's bounds shed with their reason."""
+queue, KV grows as tokens come, preemption recomputes, and the queue's bounds shed with their reason.
+On the dense model: greedy tokens are compared across batchings, and the quantized path rounds a step's
+tokens differently when it holds more than 96 (kernels/quant_linear.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ LONG_GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 def serve_all(make_engine, prompts: list[list[int]], decode_blocks: int, **decode_knobs) -> tuple[  # type: ignore[no-untyped-def]
         list[list[TokenChunk]], dict[str, int]]:
     """Every prompt at once, remote-prefilled on p0 into d0; returns each stream and d0's preemptions."""
-    prefill = PrefillService(make_engine(), TcpTransport(), "p0").start()
-    decode = DecodeService(make_engine(num_kv_blocks=decode_blocks, **decode_knobs), TcpTransport(), "d0",
+    prefill = PrefillService(make_engine(dense=True), TcpTransport(), "p0").start()
+    decode = DecodeService(make_engine(dense=True, num_kv_blocks=decode_blocks, **decode_knobs), TcpTransport(), "d0",
                            LocalPrefillClient({"p0": prefill}), transfer_timeout_s=10.0).start()
     try:
         async def run() -> list[list[TokenChunk]]:
@@ -47,7 +49,7 @@ def tokens(stream: list[TokenChunk]) -> list[int]:
 
 def test_preemption_across_the_handoff_keeps_every_greedy_token(make_engine):
     """16 concurrent remote prefills into a decode pool with room for about three at full length."""
-    tokenizer = make_engine().tokenizer
+    tokenizer = make_engine(dense=True).tokenizer
     prompts = [tokenizer.encode(text_of_tokens(tokenizer, 40 + 3 * i, seed=100 + i)) for i in range(16)]
     roomy, _ = serve_all(make_engine, prompts, decode_blocks=1024)
     tight, preemptions = serve_all(make_engine, prompts, decode_blocks=20)
@@ -57,7 +59,7 @@ def test_preemption_across_the_handoff_keeps_every_greedy_token(make_engine):
 
 
 def test_the_queue_bounds_shed_with_their_reason_and_leak_nothing(make_engine):
-    tokenizer = make_engine().tokenizer
+    tokenizer = make_engine(dense=True).tokenizer
     prompts = [tokenizer.encode(text_of_tokens(tokenizer, 40, seed=200 + i)) for i in range(6)]
     # Room for one request at a time, two may wait, and none waits more than 0.3 s.
     streams, _ = serve_all(make_engine, prompts, decode_blocks=7, max_queue_len=2, max_queue_time_s=0.3)
@@ -70,8 +72,8 @@ def test_the_queue_bounds_shed_with_their_reason_and_leak_nothing(make_engine):
 
 
 def test_queue_time_reaches_the_metrics(make_engine):
-    prefill = PrefillService(make_engine(), TcpTransport(), "p0").start()
-    decode = DecodeService(make_engine(), TcpTransport(), "d0", LocalPrefillClient({"p0": prefill})).start()
+    prefill = PrefillService(make_engine(dense=True), TcpTransport(), "p0").start()
+    decode = DecodeService(make_engine(dense=True), TcpTransport(), "d0", LocalPrefillClient({"p0": prefill})).start()
     try:
         tokenizer = decode.loop.engine.tokenizer
         request = GenerateRequest("q1", tokenizer.encode("Hello there"), SamplingParams(max_tokens=2), None, None)
