@@ -6,8 +6,9 @@ loaded once per process.
         out = cpu_kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
 
 It needs a C++ compiler and a CPU with AVX2 and FMA (ATen's AVX2 vector types); where either is
-missing, or the build fails, ``available()`` is False (with the reason in ``unavailable_reason()``)
-and attention stays on the torch path. ``TANDEM_CPU_KERNEL=0`` turns it off (A/B benchmarks).
+missing, or the build fails, ``available()`` is False (with the reason in ``unavailable_reason()``),
+attention stays on the torch path and weights stay dense. ``TANDEM_CPU_KERNEL=0`` turns it off (A/B
+benchmarks).
 """
 
 from __future__ import annotations

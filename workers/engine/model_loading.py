@@ -19,9 +19,8 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer]:
     quantized = resolve_weight_format(config, device, dtype) == "gguf"
     opened = open_model(config.model)
     try:
-        weights: dict[str, Weight] = dict(load_state_dict(opened.source, opened.config))
-        if quantized:  # the dense copies of these are dropped as soon as they are replaced
-            weights.update(load_quantized(opened.source.path))
+        weights: dict[str, Weight] = dict(load_quantized(opened.source.path)) if quantized else {}
+        weights.update(load_state_dict(opened.source, opened.config, skip=frozenset(weights)))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load weights from {opened.source.path}: {e}") from e
     return LlamaModel(opened.config, weights, device, dtype), Tokenizer.load(opened.source)

@@ -90,10 +90,12 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return ModelConfig.from_gguf_fields(_gguf_fields(reader), has_output_weight="output.weight" in names)
 
 
-def load_state_dict(source: ModelSource, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every weight by its HF name, as float32 tensors on the CPU."""
+def load_state_dict(source: ModelSource, config: ModelConfig, skip: frozenset[str] = frozenset()
+                    ) -> dict[str, torch.Tensor]:
+    """Every weight by its HF name, as float32 tensors on the CPU; from an HF directory, those in ``skip``
+    (already loaded another way: quantized) are not read at all."""
     if source.kind == "hf":
-        return _load_safetensors(source.path)
+        return _load_safetensors(source.path, skip)
     return _load_gguf_tensors(source.path, config)
 
 
@@ -146,14 +148,16 @@ def hf_name(gguf_name: str) -> str | None:
     return None  # e.g. rope_freqs: derived from config instead
 
 
-def _load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _load_safetensors(directory: Path, skip: frozenset[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
 
     files = [f for f in sorted(directory.glob("*.safetensors")) if f.name != QUANTIZED_FILE_NAME]
     if not files:
         raise ModelLoadError(f"no .safetensors files in {directory}")
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        for name, t in load_file(str(f)).items():
-            out[name] = t.float()
+        with safe_open(str(f), framework="pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name not in skip:
+                    out[name] = reader.get_tensor(name).float()
     return out
