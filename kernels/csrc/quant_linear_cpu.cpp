@@ -208,7 +208,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // x as the blockwise kernel sees it (dx * qx, each block of 32 rounded to 8 bits), in fp32: the BLAS path
-// multiplies this, so a row's result does not depend on whether its batch was small or large.
+// multiplies this, so both paths multiply the same numbers (their fp32 rounding still differs).
 at::Tensor q8_round(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] contiguous fp32");
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32, got ", x.size(1));
