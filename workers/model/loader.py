@@ -120,6 +120,16 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half_dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
+def hf_row_order(name: str, rows: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """A GGUF tensor's rows (dequantized values or whole rows of blocks) in HF's order."""
+    if config.architecture in ("llama", "mistral"):
+        if ".q_proj." in name:
+            return unpermute_rope_rows(rows, config.num_heads)
+        if ".k_proj." in name:
+            return unpermute_rope_rows(rows, config.num_kv_heads)
+    return rows
+
+
 def _load_gguf_tensors(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     from gguf import dequantize
 
@@ -129,12 +139,7 @@ def _load_gguf_tensors(path: Path, config: ModelConfig) -> dict[str, torch.Tenso
         name = hf_name(tensor.name)
         if name is None:
             continue
-        w = dequantize(tensor.data, tensor.tensor_type)
-        if config.architecture in ("llama", "mistral"):
-            if ".q_proj." in name:
-                w = unpermute_rope_rows(w, config.num_heads)
-            elif ".k_proj." in name:
-                w = unpermute_rope_rows(w, config.num_kv_heads)
+        w = hf_row_order(name, dequantize(tensor.data, tensor.tensor_type), config)
         out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
     return out
 

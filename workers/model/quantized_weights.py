@@ -16,7 +16,7 @@ import torch
 from kernels.quant_linear import BLOCK_BYTES, QuantizedWeight
 from workers.model.config import ModelConfig
 from workers.model.loader import QUANTIZED_FILE_NAME as FILE_NAME
-from workers.model.loader import gguf_reader, hf_name, unpermute_rope_rows
+from workers.model.loader import gguf_reader, hf_name, hf_row_order
 
 _GGUF_FORMATS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGML type name -> our format
 
@@ -28,12 +28,7 @@ def read_gguf_quantized(path: Path, config: ModelConfig) -> dict[str, tuple[str,
         name, fmt = hf_name(tensor.name), _GGUF_FORMATS.get(tensor.tensor_type.name)
         if name is None or fmt is None:
             continue
-        data = np.asarray(tensor.data, dtype=np.uint8)  # [N, K / 32 * block_bytes]
-        if config.architecture in ("llama", "mistral"):
-            if ".q_proj." in name:
-                data = unpermute_rope_rows(data, config.num_heads)
-            elif ".k_proj." in name:
-                data = unpermute_rope_rows(data, config.num_kv_heads)
+        data = hf_row_order(name, np.asarray(tensor.data, dtype=np.uint8), config)  # [N, K / 32 * block_bytes]
         out[name] = (fmt, torch.from_numpy(np.array(data)))
     return out
 
