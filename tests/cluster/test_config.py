@@ -28,6 +28,7 @@ def test_gpu_examples_parse(name):
     ({"prefill": {"replicas": "two"}}, "prefill.replicas: Input should be a valid integer"),
     ({"router": {"port": 70000}}, "router.port: Input should be less than or equal to 65535"),
     ({"router": {"policy": "random"}}, "router.policy: Input should be"),
+    ({"model": {"weight_format": "q5_k"}}, "model.weight_format: Input should be"),
     ({"decode": {"min_replicas": 3, "max_replicas": 2, "replicas": 2}},
      "decode: min_replicas (3) exceeds max_replicas (2)"),
     ({"prefill": {"replicas": 9}}, "prefill: replicas (9) must be between min_replicas (1) and max_replicas (4)"),

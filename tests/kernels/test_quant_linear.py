@@ -111,3 +111,17 @@ def test_fused_rope_matches_hf_rotation(num_tokens: int) -> None:
     fused_ops.rope_(qk, cos, sin)
     assert torch.allclose(qk, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(qkv[:, 12 * 64 :], untouched)  # V is not rotated
+
+
+def test_weight_format_is_checked_by_name() -> None:
+    from workers.engine.config import EngineConfig
+    from workers.engine.model_loading import resolve_weight_format
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_weight_format(EngineConfig(), cpu, torch.float32) == "gguf"
+    assert resolve_weight_format(EngineConfig(), cuda, torch.bfloat16) == "dense"  # auto never picks what can't run
+    assert resolve_weight_format(EngineConfig(weight_format="dense"), cpu, torch.float32) == "dense"
+    with pytest.raises(ValueError, match="weight_format must be auto, gguf or dense, got 'q5_k'"):
+        resolve_weight_format(EngineConfig(weight_format="q5_k"), cpu, torch.float32)
+    with pytest.raises(ValueError, match="weight_format 'gguf' runs on CPU in float32, not cuda"):
+        resolve_weight_format(EngineConfig(weight_format="gguf"), cuda, torch.bfloat16)
