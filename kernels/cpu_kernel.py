@@ -1,6 +1,6 @@
 """The compiled CPU kernels (``kernels/csrc/``: decode attention, quantized linear layers, fused
-elementwise ops): built once per machine with torch's C++ extension tooling into the Tandem cache,
-loaded once per process.
+elementwise ops, a decode step's whole layer stack): built once per machine with torch's C++ extension
+tooling into the Tandem cache, loaded once per process.
 
     if cpu_kernel.available():
         out = cpu_kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
@@ -30,7 +30,7 @@ from kernels.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in (
-    "paged_decode_cpu.cpp", "quant_linear_cpu.cpp", "fused_ops_cpu.cpp")]
+    "paged_decode_cpu.cpp", "quant_linear_cpu.cpp", "fused_ops_cpu.cpp", "decoder_cpu.cpp")]
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_HEADS_PER_KV = 16
 _NAME = "tandem_cpu_kernels"

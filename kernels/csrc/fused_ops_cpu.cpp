@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "tandem_cpu.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -47,6 +49,10 @@ void norm_row(const float* x, const float* w, float* out, int64_t H, float eps) 
   for (; i + Vec::size() <= H; i += Vec::size()) (Vec::loadu(x + i) * vinv * Vec::loadu(w + i)).store(out + i);
   for (; i < H; ++i) out[i] = x[i] * inv * w[i];
 }
+
+}  // namespace
+
+namespace tandem_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, "x");
@@ -119,7 +125,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-}  // namespace
+}  // namespace tandem_cpu
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -129,8 +135,8 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("rope_", &rope_);
+  m.impl("rms_norm", &tandem_cpu::rms_norm);
+  m.impl("add_rms_norm_", &tandem_cpu::add_rms_norm_);
+  m.impl("silu_mul", &tandem_cpu::silu_mul);
+  m.impl("rope_", &tandem_cpu::rope_);
 }

@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "tandem_cpu.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -125,6 +127,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+}  // namespace
+
+namespace tandem_cpu {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
@@ -176,7 +182,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   }
 }
 
-}  // namespace
+}  // namespace tandem_cpu
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
@@ -185,6 +191,6 @@ TORCH_LIBRARY(tandem_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("store_kv", &store_kv);
+  m.impl("paged_decode_attention", &tandem_cpu::paged_decode_attention);
+  m.impl("store_kv", &tandem_cpu::store_kv);
 }

@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "tandem_cpu.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -240,6 +242,13 @@ at::Tensor dequantize(const at::Tensor& w, int64_t K) {
 
 }  // namespace
 
+namespace tandem_cpu {
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w) { return quant_linear<Q4_1>(x, w); }
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w) { return quant_linear<Q8_0>(x, w); }
+
+}  // namespace tandem_cpu
+
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("q4_1_linear(Tensor x, Tensor w) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor w) -> Tensor");
@@ -249,8 +258,8 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
-  m.impl("q4_1_linear", &quant_linear<Q4_1>);
-  m.impl("q8_0_linear", &quant_linear<Q8_0>);
+  m.impl("q4_1_linear", &tandem_cpu::q4_1_linear);
+  m.impl("q8_0_linear", &tandem_cpu::q8_0_linear);
   m.impl("q4_1_dequantize", &dequantize<Q4_1>);
   m.impl("q8_round", &q8_round);
   m.impl("q8_0_dequantize", &dequantize<Q8_0>);

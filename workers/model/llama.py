@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.decoder_stack import DecoderStack
 from kernels.fused_ops import add_rms_norm_, rms_norm, rope_, silu_mul
 from kernels.quant_linear import QuantizedWeight, cat_rows, linear
 from workers.model.attention_metadata import AttentionMetadata
@@ -87,6 +88,10 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                     config.rope_scaling, device, dtype)
         self.scale = config.head_dim ** -0.5
+        # Decode steps over GGUF blocks run the layer stack in one compiled call; tests and benches may
+        # set it to None to compare with the Python loop below.
+        self.decoder_stack: DecoderStack | None = DecoderStack.pack(
+            self.layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
 
     @torch.inference_mode()
     def forward(
@@ -104,6 +109,12 @@ class LlamaModel:
         cos, sin = self.rope.cos_sin(positions)
         eps = cfg.rms_norm_eps
         mlp_out: torch.Tensor | None = None  # each layer's MLP output joins h in the next layer's fused norm
+        stack = self.decoder_stack
+        if (stack is not None and stack.takes(num_tokens, attn.num_decode_tokens, h, kv_cache)
+                and kernels.resolve_backend(h.device, attn.backend) == "cpu"):
+            stack.run_(h, cos, sin, kv_cache, attn.slot_mapping, attn.decode_block_tables, attn.decode_seq_lens,
+                       scale=self.scale, eps=eps)
+            return self._logits(h, logits_indices)
         for i, layer in enumerate(self.layers):
             if mlp_out is None:
                 x = rms_norm(h, layer.attn_norm, eps)
@@ -122,7 +133,10 @@ class LlamaModel:
             mlp_out = linear(silu_mul(linear(x, layer.gate_up)), layer.down)
         if mlp_out is not None:
             h += mlp_out
-        h = rms_norm(h[logits_indices], self.norm, eps)
+        return self._logits(h, logits_indices)
+
+    def _logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(h[logits_indices], self.norm, self.config.rms_norm_eps)
         return linear(h, self.lm_head).float()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]

@@ -1,0 +1,25 @@
+// The CPU ops of tandem_cpu_kernels callable from C++ (decoder_cpu.cpp runs a whole layer stack with
+// them, without a trip through Python between ops). Each is also registered as torch.ops.tandem_cpu.<name>.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace tandem_cpu {
+
+// paged_decode_cpu.cpp
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping);
+
+// quant_linear_cpu.cpp: x [M, K] fp32 against a GGUF-blocked weight [N, K / 32 * block bytes] uint8
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w);
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w);
+
+// fused_ops_cpu.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps);
+at::Tensor silu_mul(const at::Tensor& gu);
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+}  // namespace tandem_cpu

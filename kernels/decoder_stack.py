@@ -1,0 +1,76 @@
+"""A decode step's whole layer stack in one compiled call (``kernels/csrc/decoder_cpu.cpp``).
+
+    stack = DecoderStack.pack(layers, num_heads=9, num_kv_heads=3, head_dim=64)   # None if it can't run
+    stack.run_(h, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, scale=..., eps=...)
+
+The same ops as the model's Python loop, in the same order, so the output is bit-identical; what it
+saves is the interpreter between them (~4-5 ms a step on a 2-core CPU at batch 1, a third of the step).
+It takes decode-only steps with fewer than ``DENSE_FROM_ROWS`` rows, fp32 on CPU, every matrix a GGUF
+block weight; anything else stays on the Python loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from kernels import cpu_kernel
+from kernels.quant_linear import DENSE_FROM_ROWS, QuantizedWeight
+
+FORMAT_CODES = {"q4_1": 0, "q8_0": 1}  # as decoder_cpu.cpp reads them
+
+
+class LayerTensors(Protocol):
+    """One decoder layer's weights, as the model holds them (``workers.model.llama.LayerWeights``)."""
+
+    attn_norm: Tensor
+    qkv: Tensor | QuantizedWeight
+    qkv_bias: Tensor | None
+    o_proj: Tensor | QuantizedWeight
+    mlp_norm: Tensor
+    gate_up: Tensor | QuantizedWeight
+    down: Tensor | QuantizedWeight
+
+
+@dataclass(frozen=True)
+class DecoderStack:
+    weights: list[Tensor]  # 7 a layer, as decoder_cpu.cpp documents
+    formats: list[int]  # 4 a layer
+    num_heads: int
+    num_kv_heads: int
+
+    @staticmethod
+    def pack(layers: Sequence[LayerTensors], *, num_heads: int, num_kv_heads: int,
+             head_dim: int) -> DecoderStack | None:
+        """The stack ready for the compiled call, or None where it can't take these weights or heads."""
+        if not layers or not cpu_kernel.available():
+            return None
+        if head_dim not in cpu_kernel.HEAD_DIMS or num_heads // num_kv_heads > cpu_kernel.MAX_HEADS_PER_KV:
+            return None
+        weights: list[Tensor] = []
+        formats: list[int] = []
+        for layer in layers:
+            matrices = [m for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+                        if isinstance(m, QuantizedWeight)]
+            if len(matrices) < 4:
+                return None  # dense weights keep the Python loop (and its HF-exact path)
+            qkv, o_proj, gate_up, down = (m.data for m in matrices)
+            bias = layer.qkv_bias if layer.qkv_bias is not None else torch.empty(0)
+            weights += [layer.attn_norm, qkv, bias, o_proj, layer.mlp_norm, gate_up, down]
+            formats += [FORMAT_CODES[m.format] for m in matrices]
+        return DecoderStack(weights, formats, num_heads, num_kv_heads)
+
+    def takes(self, num_tokens: int, num_decode_tokens: int, h: Tensor, kv_cache: Tensor) -> bool:
+        """Whether this step is one the compiled stack runs: decode only, few rows, fp32 on CPU."""
+        return (num_decode_tokens == num_tokens < DENSE_FROM_ROWS and h.dtype == torch.float32
+                and kv_cache.dtype == torch.float32 and h.device.type == "cpu" and kv_cache.device.type == "cpu")
+
+    def run_(self, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slot_mapping: Tensor, block_tables: Tensor,
+             seq_lens: Tensor, *, scale: float, eps: float) -> None:
+        """h [B, hidden] becomes the residual stream after the last layer (the final norm is the caller's)."""
+        torch.ops.tandem_cpu.decode_layers_(h, self.weights, self.formats, cos, sin, kv_cache, slot_mapping,
+                                            block_tables, seq_lens, self.num_heads, self.num_kv_heads, scale, eps)

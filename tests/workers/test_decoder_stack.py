@@ -1,0 +1,106 @@
+"""The compiled layer stack (kernels/csrc/decoder_cpu.cpp) against the model's Python loop: the same ops
+in the same order, so a decode step's logits and the KV it writes must be bit-identical; on the default
+model's GGUF blocks and on a tiny model with Q/K/V biases (Qwen2's) and a Q8_0 matrix among Q4_1 ones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quantize
+
+from kernels import cpu_kernel
+from kernels.quant_linear import QuantizedWeight
+from tests.tiny_model import random_weights, tiny_config
+from workers.model.attention_metadata import AttentionMetadata
+from workers.model.llama import LlamaModel
+
+BLOCK = 16
+SEQ_LENS = [5, 17, 40]  # tokens in cache, the new one included: one, two and three blocks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built() -> None:
+    if not cpu_kernel.available():
+        pytest.skip(f"the CPU kernels cannot be built here: {cpu_kernel.unavailable_reason()}")
+
+
+def quantized_tiny_model() -> LlamaModel:
+    """Two layers, head_dim 32 (blocks of 32 need hidden % 32 == 0), biases on Q/K/V; every matrix Q4_1
+    but layer 1's down projection, Q8_0."""
+    cfg = dataclasses.replace(tiny_config(vocab_size=512, num_heads=4, num_kv_heads=2, head_dim=32),
+                              architecture="qwen2", attention_bias=True)
+    weights: dict[str, torch.Tensor | QuantizedWeight] = dict(random_weights(cfg, seed=3))
+    g = torch.Generator().manual_seed(4)
+    for name, w in list(weights.items()):
+        if name.endswith("proj.weight"):
+            fmt = "q8_0" if name == "model.layers.1.mlp.down_proj.weight" else "q4_1"
+            kind = GGMLQuantizationType.Q8_0 if fmt == "q8_0" else GGMLQuantizationType.Q4_1
+            blocks = np.array(quantize(w.numpy(), kind))
+            weights[name] = QuantizedWeight(fmt, torch.from_numpy(blocks), w.shape[1])
+    for i in range(cfg.num_layers):
+        for n, size in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
+            weights[f"model.layers.{i}.self_attn.{n}_proj.bias"] = torch.randn(size * cfg.head_dim, generator=g)
+    return LlamaModel(cfg, weights, torch.device("cpu"), torch.float32)  # type: ignore[arg-type]
+
+
+def decode_step(model: LlamaModel, kv: torch.Tensor, seed: int) -> torch.Tensor:
+    """One decode-only step of len(SEQ_LENS) sequences over ``kv`` (written in place); their logits."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(SEQ_LENS) // BLOCK + 1
+    tables = torch.arange(len(SEQ_LENS) * max_blocks, dtype=torch.int32).view(len(SEQ_LENS), max_blocks)
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    positions = lens.long() - 1
+    slots = tables[torch.arange(len(SEQ_LENS)), positions // BLOCK].long() * BLOCK + positions % BLOCK
+    empty = torch.zeros(0, 1, dtype=torch.int32)
+    md = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(SEQ_LENS), decode_block_tables=tables,
+                           decode_seq_lens=lens, prefill_block_tables=empty,
+                           prefill_query_start_loc=torch.zeros(1, dtype=torch.int32), prefill_seq_lens=empty[:, 0],
+                           backend="cpu")
+    ids = torch.randint(0, model.config.vocab_size, (len(SEQ_LENS),), generator=g)
+    return model.forward(ids, positions, kv, md, torch.arange(len(SEQ_LENS)))
+
+
+def assert_stack_matches_loop(model: LlamaModel) -> None:
+    cfg = model.config
+    stack = model.decoder_stack
+    assert stack is not None, "quantized fp32 weights on CPU must take the compiled stack"
+    max_blocks = max(SEQ_LENS) // BLOCK + 1
+    kv = torch.randn(cfg.num_layers, 2, len(SEQ_LENS) * max_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim,
+                     generator=torch.Generator().manual_seed(1))
+    kv_loop = kv.clone()
+    got = decode_step(model, kv, seed=2)
+    try:
+        model.decoder_stack = None
+        want = decode_step(model, kv_loop, seed=2)
+    finally:
+        model.decoder_stack = stack
+    assert torch.isfinite(want).all() and want.std() > 0
+    assert torch.equal(got, want), f"max |diff| {(got - want).abs().max().item()}"
+    assert torch.equal(kv, kv_loop), "the stack wrote other K/V than the loop"
+
+
+def test_default_model_stack_is_bit_identical(quantized_model) -> None:
+    assert_stack_matches_loop(quantized_model)
+
+
+def test_biases_and_mixed_formats_are_bit_identical() -> None:
+    assert_stack_matches_loop(quantized_tiny_model())
+
+
+def test_dense_weights_keep_the_python_loop(dense_model) -> None:
+    assert dense_model.decoder_stack is None  # the HF-exact path stays as it is
+
+
+def test_the_stack_refuses_a_malformed_call(quantized_model) -> None:
+    stack = quantized_model.decoder_stack
+    assert stack is not None
+    cfg = quantized_model.config
+    h = torch.zeros(1, cfg.hidden_size)
+    kv = torch.zeros(cfg.num_layers - 1, 2, 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)  # one layer short
+    one = torch.zeros(1, dtype=torch.int32)
+    cos = torch.ones(1, cfg.head_dim)
+    with pytest.raises(RuntimeError, match="one layer per 7 weights"):
+        stack.run_(h, cos, cos, kv, one.long(), one[None], one + 1, scale=1.0, eps=1e-5)
