@@ -21,7 +21,7 @@ from torch import Tensor
 from kernels import cpu_kernel
 from kernels.quant_linear import DENSE_FROM_ROWS, QuantizedWeight
 
-FORMAT_CODES = {"q4_1": 0, "q8_0": 1}  # as decoder_cpu.cpp reads them
+FORMAT_CODES = {"q4_1": 0, "q8_0": 1, "q4_1x8": 2}  # as decoder_cpu.cpp reads them
 
 
 class LayerTensors(Protocol):

@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 from kernels import cpu_kernel, fused_ops, quant_linear
 from kernels.quant_linear import QuantizedWeight
 
-FORMATS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+FORMATS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0,
+           "q4_1x8": GGMLQuantizationType.Q4_1}  # Q4_1 blocks, interleaved by 8 rows after quantizing
 ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 17, quant_linear.DENSE_FROM_ROWS - 1, quant_linear.DENSE_FROM_ROWS, 300]
 
 
@@ -31,15 +32,23 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWei
     dense = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     blocks = quantize(dense, FORMATS[fmt])
     reference = torch.from_numpy(np.array(dequantize(blocks, FORMATS[fmt]), dtype=np.float32))
-    return QuantizedWeight(fmt, torch.from_numpy(np.array(blocks)), k), reference
+    weight = QuantizedWeight(fmt.removesuffix("x8"), torch.from_numpy(np.array(blocks)), k)
+    if fmt == "q4_1x8":
+        weight = quant_linear.interleave(weight)
+        assert weight.format == "q4_1x8" and weight.out_features == n
+    return weight, reference
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_is_bit_exact(fmt: str) -> None:
-    w, reference = random_weight(fmt, 37, 96)
+    w, reference = random_weight(fmt, 40 if fmt == "q4_1x8" else 37, 96)
     assert torch.equal(w.dequantize(), reference)
     ids = torch.tensor([5, 0, 36, 5])
-    assert torch.equal(w.rows(ids), reference[ids])
+    if fmt == "q4_1x8":  # rows of 8 are interleaved: lookups take the GGUF layout
+        with pytest.raises(ValueError, match="interleaves rows"):
+            w.rows(ids)
+    else:
+        assert torch.equal(w.rows(ids), reference[ids])
 
 
 def q8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -52,23 +61,25 @@ def q8_rounded(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", ROW_COUNTS)
 def test_linear_matches_dequantized_matmul(fmt: str, m: int) -> None:
-    w, reference = random_weight(fmt, 67, 160, seed=m)  # an odd N
+    n = 72 if fmt == "q4_1x8" else 67  # an odd N where the layout allows it
+    w, reference = random_weight(fmt, n, 160, seed=m)
     x = torch.randn(m, 160)
     x[:, 7] *= 30  # an outlier channel, as real activations have
-    bias = torch.randn(67)
+    bias = torch.randn(n)
     got = quant_linear.linear(x, w, bias).double()
     exact = x.double() @ reference.double().T + bias.double()
-    assert got.shape == (m, 67)
+    assert got.shape == (m, n)
     emulated = q8_rounded(x) @ reference.double().T + bias.double()
     assert (got - emulated).abs().max().item() < 1e-3
     assert ((got - exact).norm() / exact.norm()).item() < 0.02  # what 8-bit activations cost
 
 
 def test_bundled_gguf_blocks(quantized_model, dense_model) -> None:
-    """The model's stacked Q/K/V blocks, un-permuted by whole rows, equal the dense (HF-layout) weights."""
+    """The model's stacked Q/K/V blocks, un-permuted by whole rows (then interleaved by 8), equal the dense
+    (HF-layout) weights."""
     qkv = quantized_model.layers[3].qkv
     dense = dense_model.layers[3].qkv
-    assert isinstance(qkv, QuantizedWeight) and qkv.format == "q4_1"
+    assert isinstance(qkv, QuantizedWeight) and qkv.format == "q4_1x8"
     assert torch.equal(qkv.dequantize(), dense)
     assert isinstance(quantized_model.embed, QuantizedWeight) and quantized_model.embed.format == "q8_0"
 
@@ -83,6 +94,10 @@ def test_bad_shapes_are_refused() -> None:
         QuantizedWeight("q5_k", w.data, 64)
     with pytest.raises(ValueError, match="one format"):
         quant_linear.cat_rows([w, random_weight("q8_0", 8, 64)[0]])
+    odd, _ = random_weight("q4_1", 12, 64)
+    assert quant_linear.interleave(odd) is odd  # 12 rows do not make groups of 8: kept as they are
+    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
+        torch.ops.tandem_cpu.q4_1_to_x8(odd.data, 64)
 
 
 @pytest.mark.parametrize("m", [1, 3, 40])
