@@ -23,7 +23,8 @@ def test_preemption_recomputes_to_identical_outputs(make_engine):
     assert sum(tight.scheduler.preemptions_by_cause.values()) > 0
     forks = 0
     for prompt, want, got in zip(prompts(), roomy, results, strict=True):
-        fork = next((i for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b), None)
+        fork = next((i for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids, strict=True)) if a != b),
+                    None)
         if fork is None:
             assert got.token_ids == want.token_ids
             continue
