@@ -7,5 +7,5 @@ from pathlib import Path
 
 
 def cache_root() -> Path:
-    """``$TANDEM_CACHE_DIR``, else ``~/.cache/tandem``."""
-    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+    """``$TANDEM_CACHE_DIR``, else (unset or empty: never the working directory) ``~/.cache/tandem``."""
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
