@@ -50,6 +50,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class CompletionResult:
     prompt_token_ids: list[int]
     finish_reason: str | None
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class Engine:
@@ -114,7 +116,7 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(self.block_pool)
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else mcfg.eos_token_id
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, eos)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.attention_backend, config.seed)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.attention_backend, config.seed, eos)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         # torch + transformers leave ~350K tracked objects; a full GC pass over them stalls a step
@@ -151,7 +153,8 @@ class Engine:
         """
         params = sampling_params or SamplingParams()
         if prefill_only:  # one token, whatever the stop rules: the decode worker applies them
-            params = replace(params, max_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True)
+            # (min_tokens still holds EOS and the stop ids back from that token, as the sampler reads them)
+            params = replace(params, max_tokens=1, stop=[], min_tokens=min(params.min_tokens, 1))
         token_ids = self.tokenize(prompt)
         self._check_fits(token_ids, params)
         num_waiting = len(self.scheduler.waiting)
@@ -174,6 +177,8 @@ class Engine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
         check_fits(len(token_ids), params.max_tokens, self.max_model_len)
         total = len(token_ids) + params.max_tokens
         if cdiv(total, self.block_pool.block_size) > self.block_pool.num_blocks:
@@ -192,12 +197,13 @@ class Engine:
         self.runner.release(request_id)
 
     # ---- disaggregated prefill ----
-    def commit_remote_kv(self, request_id: str, token_id: int, logprob: float | None) -> RequestOutput | None:
+    def commit_remote_kv(self, request_id: str, token_id: int, logprob: float | None,
+                         top_logprobs: list[tuple[int, float]] | None = None) -> RequestOutput | None:
         """The prompt's KV is in the reserved blocks: add the prefill worker's first token, join the batch.
 
         None if the request was aborted meanwhile.
         """
-        request = self.scheduler.commit_remote_kv(request_id, SampledToken(token_id, logprob))
+        request = self.scheduler.commit_remote_kv(request_id, SampledToken(token_id, logprob, top_logprobs))
         if request is None:
             return None
         # The first draw of a sampled request's stream happened on the prefill worker; skip it here,
@@ -270,6 +276,7 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            new_top_logprobs=request.output_top_logprobs[-1:] if request.sampling_params.top_logprobs else [],
         )
 
     # ---- offline convenience ----
@@ -291,6 +298,7 @@ class Engine:
                 res.text += out.new_text
                 res.token_ids.extend(out.new_token_ids)
                 res.logprobs.extend(out.new_logprobs)
+                res.top_logprobs.extend(out.new_top_logprobs)
                 if out.finished:
                     res.finish_reason = out.finish_reason
         return [results[rid] for rid in ids]

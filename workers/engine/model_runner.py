@@ -12,7 +12,7 @@ import torch
 
 import kernels
 from workers.engine.request import Request
-from workers.engine.sampler import draw, sample
+from workers.engine.sampler import draw, sample, top_logprobs
 from workers.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.llama import LlamaModel
@@ -20,9 +20,10 @@ from workers.model.llama import LlamaModel
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 attention_backend: str | None = None, seed: int = 0):
+                 attention_backend: str | None = None, seed: int = 0, eos_token_id: int | None = None):
         cfg = model.config
         self.model = model
+        self.eos_token_id = eos_token_id  # held back by min_tokens
         self.device = model.device
         self.block_size = block_size
         # Resolved now: a bad name fails at start, and the CPU kernel is built (once per machine) before
@@ -62,11 +63,13 @@ class ModelRunner:
             self.kv_cache, attn, torch.tensor(logit_rows, device=dev, dtype=torch.long),
         )
         sampling = [c.request for c in rows if c.samples]
+        params = [r.sampling_params for r in sampling]
         token_ids, logprobs = sample(
-            logits, [r.sampling_params for r in sampling], [self._generator(r) for r in sampling]
+            logits, params, [self._generator(r) for r in sampling],
+            [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling], self.eos_token_id,
         )
         results: list[SampledToken | None] = [None] * len(chunks)
-        sampled = iter(zip(token_ids, logprobs, strict=True))
+        sampled = iter(zip(token_ids, logprobs, top_logprobs(logits, params), strict=True))
         for i, chunk in zip(order, rows, strict=True):
             if chunk.samples:
                 results[i] = SampledToken(*next(sampled))

@@ -43,6 +43,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # Tokens whose KV is stored in this engine's cache.
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache at (first) admission; a metric. -1: never admitted yet.
@@ -84,8 +85,11 @@ class Request:
             )
         return self._block_hashes
 
-    def append_output_token(self, token_id: int, logprob: float | None) -> None:
+    def append_output_token(self, token_id: int, logprob: float | None,
+                            top_logprobs: list[tuple[int, float]] | None = None) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)

@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Batched sampling: logit adjustments (penalties, logit_bias, min_tokens: ``penalties.py``), greedy,
+temperature, top-k, top-p, min-p, per-request seeds.
 
 Filters apply in HF's order: temperature, then top-k, then top-p, then min-p, each on the
 distribution the previous one left (renormalized). A random row draws one uniform number from its own
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from workers.engine.penalties import apply_penalties
 from workers.protocol.sampling_params import SamplingParams
 
 # Top-p first looks among this many most likely tokens (``topk``, not a sort of the whole vocabulary:
@@ -64,6 +66,21 @@ def _drop_past_nucleus(vals: torch.Tensor, idx: torch.Tensor, probs: torch.Tenso
     return drop, cum_before[:, -1] + vals[:, -1]
 
 
+def top_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[list[tuple[int, float]] | None]:
+    """Each row's ``top_logprobs`` likeliest tokens and their log-probabilities (the model's own, as
+    ``sample`` reports the chosen token's), likeliest first; None for rows that ask for none."""
+    out: list[list[tuple[int, float]] | None] = [None] * logits.shape[0]
+    want = [i for i, p in enumerate(params) if p.top_logprobs]
+    if want:
+        rows = torch.tensor(want, device=logits.device)
+        k = max(params[i].top_logprobs for i in want)
+        values, ids = torch.log_softmax(logits[rows], dim=-1).topk(k, dim=-1)
+        for i, vals, toks in zip(want, values.tolist(), ids.tolist(), strict=True):
+            n = params[i].top_logprobs
+            out[i] = list(zip(toks[:n], vals[:n], strict=True))
+    return out
+
+
 def draw(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     """The one random number a sampled token consumes: [1], uniform in [0, 1)."""
     return torch.rand(1, generator=generator, device=device)
@@ -73,17 +90,26 @@ def sample(
     logits: torch.Tensor,  # [N, V] float32
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    prompts: Sequence[Sequence[int]] = (),  # each row's prompt and output tokens so far: for the penalties
+    outputs: Sequence[Sequence[int]] = (),
+    eos_token_id: int | None = None,
 ) -> tuple[list[int], list[float | None]]:
     """Next token of every row and, where asked, the chosen token's log-probability.
 
-    Log-probabilities are the model's own (before temperature and filters), as OpenAI reports them.
+    Log-probabilities are the model's own (before penalties, temperature and filters), as OpenAI and
+    vLLM report them.
     """
     num_rows = logits.shape[0]
-    token_ids = logits.argmax(dim=-1)
+    if any(p.adjusts_logits for p in params):
+        assert len(prompts) == len(outputs) == num_rows, "penalties need every row's prompt and output tokens"
+        adjusted = apply_penalties(logits, params, prompts, outputs, eos_token_id)
+    else:
+        adjusted = logits
+    token_ids = adjusted.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        probs = apply_filters(logits[rows], [params[i] for i in random_rows]).softmax(dim=-1)
+        probs = apply_filters(adjusted[rows], [params[i] for i in random_rows]).softmax(dim=-1)
         u = torch.stack([draw(generators[i], logits.device) for i in random_rows]).double()
         cdf = probs.double().cumsum(dim=-1)
         # The first token whose cumulative mass passes u * total; a token of mass 0 never does.

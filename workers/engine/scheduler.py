@@ -53,6 +53,7 @@ class KVReservation:
 class SampledToken(NamedTuple):
     token_id: int
     logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), likeliest first
 
 
 @dataclass
@@ -144,7 +145,7 @@ class Scheduler:
         self.kv_cache.cache_full_blocks(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        request.append_output_token(token.token_id, token.logprob)
+        request.append_output_token(token.token_id, token.logprob, token.top_logprobs)
         status = self._check_stop(request)
         if status is not None:
             self.finish_request(request, status)
@@ -289,7 +290,7 @@ class Scheduler:
             self.kv_cache.cache_full_blocks(request)
             if token is None:
                 continue
-            request.append_output_token(token.token_id, token.logprob)
+            request.append_output_token(token.token_id, token.logprob, token.top_logprobs)
             updated.append(request)
             status = self._check_stop(request)
             if status is not None:

@@ -92,6 +92,7 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens the prefill worker served from its prefix cache
     transfer_bytes: int
     transfer_seconds: float
+    top_logprobs: list[tuple[int, float]] | None = None  # the first token's, when asked for
 
 
 @dataclass
@@ -114,6 +115,7 @@ class TokenChunk:
     num_cached_tokens: int = 0
     error: str | None = None
     error_kind: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob) pairs
 
 
 @dataclass

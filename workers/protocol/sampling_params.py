@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from workers.protocol.errors import InvalidRequestError
 
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -20,7 +22,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: this many likeliest alternatives of each token, up to MAX_TOP_LOGPROBS
     skip_special_tokens: bool = True
+    # Logit adjustments, with vLLM's definitions (workers/engine/penalties.py): presence and frequency
+    # penalties count output tokens, the repetition penalty prompt and output tokens alike.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are out
 
     def __post_init__(self) -> None:
         self._validate()
@@ -28,6 +38,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     def _validate(self) -> None:
         """Raise ``InvalidRequestError`` naming the first bad field."""
@@ -49,6 +64,24 @@ class SamplingParams:
             raise InvalidRequestError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) \
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                      f"got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int) or pair[0] < 0
+               or not -100.0 <= pair[1] <= 100.0 for pair in self.logit_bias):
+            raise InvalidRequestError("logit_bias maps token ids (non-negative integers) to biases in [-100, 100]")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

@@ -126,7 +126,8 @@ class DecodeService(EngineService):
         except Exception as e:  # noqa: BLE001 - the stream ends with the reason
             await self.loop.run(lambda eng: eng.abort(rid))
             return self._fail(stream, rid, e)
-        first = await self.loop.run(lambda e: e.commit_remote_kv(rid, result.token_id, result.logprob))
+        first = await self.loop.run(
+            lambda e: e.commit_remote_kv(rid, result.token_id, result.logprob, result.top_logprobs))
         if first is None:
             return None
         stream.prefill_cached_tokens = result.num_cached_tokens
@@ -169,7 +170,8 @@ class DecodeService(EngineService):
             self.metrics.finished(out.finish_reason)
         return TokenChunk(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
                           out.finish_reason, out.stop_reason, out.num_prompt_tokens, out.num_output_tokens,
-                          max(out.num_cached_tokens, stream.prefill_cached_tokens))
+                          max(out.num_cached_tokens, stream.prefill_cached_tokens),
+                          top_logprobs=out.new_top_logprobs)
 
     def _fail(self, stream: _Stream, request_id: str, error: BaseException) -> TokenChunk:
         """The stream's last chunk, saying why it ends (what it held is freed already)."""

@@ -137,7 +137,8 @@ class PrefillService(EngineService):
         self.metrics.observe_transfer(result.num_bytes, result.seconds)
         self._finish(req.request_id, PrefillResult(
             req.request_id, first.new_token_ids[0], first.new_logprobs[0] if first.new_logprobs else None,
-            first.num_cached_tokens, result.num_bytes, result.seconds))
+            first.num_cached_tokens, result.num_bytes, result.seconds,
+            first.new_top_logprobs[0] if first.new_top_logprobs else None))
 
     def _finish(self, request_id: str, result: PrefillResult | None = None,
                 exception: BaseException | None = None) -> None:
