@@ -28,6 +28,7 @@ from router.openai_api import api
 from router.pool_api import pools_api, read_controller, read_targets
 from router.prefix_index import PrefixIndex
 from router.state import RouterConfig, RouterState, load_tokenizer
+from router.tokenize_api import tokenize_api
 from router.worker_client import WorkerClient
 from router.worker_directory import WorkerDirectory
 from workers.model.tokenizer import Tokenizer
@@ -67,6 +68,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
     install_error_handlers(app)
     app.include_router(api)
     app.include_router(pools_api)
+    app.include_router(tokenize_api)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -93,17 +93,30 @@ class Dispatcher:
             prefill = choose_prefill_worker(prefillers, overlaps, num_blocks, block_size, self.policy, tie_key)
         return Route(decode, prefill, overlaps.get(prefill, 0), needed)
 
+    def plan(self, prompt_token_ids: list[int], cache_salt: str | None, block_size: int) -> Route:
+        """Where one prompt goes, remembered in the index as approximate entries until the workers' events."""
+        block_hashes = hash_prompt_blocks(prompt_token_ids, block_size, cache_salt)
+        route = self.route(prompt_token_ids, block_hashes, block_size)
+        self._remember(route, block_hashes)
+        return route
+
+    @staticmethod
+    def follow(route: Route, prompt_token_ids: list[int], block_size: int) -> Route:
+        """Another sequence of an already prefilled prompt (``n`` > 1): on the same decode worker, prefilled
+        there over the prompt's blocks its prefix cache now holds (only the last partial block is computed)."""
+        return Route(route.decode_worker, None, len(prompt_token_ids) // block_size, route.kv_blocks_needed)
+
     # ---- one request ----
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None,
-                       block_size: int) -> AsyncGenerator[TokenChunk, None]:
-        """Route and stream; the first chunk or an ``APIError`` tells the caller where it stands.
+                       block_size: int, route: Route | None = None) -> AsyncGenerator[TokenChunk, None]:
+        """Route (or take ``route`` from ``plan``/``follow``) and stream; the first chunk or an ``APIError``
+        tells the caller where it stands.
 
         A remote prefill that fails before the first token (transfer error, prefill worker gone) is
         retried once as a local prefill on the same decode worker: the client never sees it.
         """
-        block_hashes = hash_prompt_blocks(prompt_token_ids, block_size, cache_salt)
-        route = self.route(prompt_token_ids, block_hashes, block_size)
-        self._remember(route, block_hashes)
+        if route is None:
+            route = self.plan(prompt_token_ids, cache_salt, block_size)
         for attempt in (route, replace(route, prefill_worker=None, prefill_overlap_blocks=0)):
             self.metrics.routed(attempt, block_size)
             started = False

@@ -65,13 +65,15 @@ def _describe(errors: list[Any]) -> tuple[str, str | None]:
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
+        return f"Unrecognized request argument supplied: {param}", param
     if not loc:
-        return str(first.get("msg", "invalid request")), None
+        return str(first.get("msg", "invalid request")).removeprefix("Value error, "), None
     same = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == loc[:1]]
     if len(same) > 1:
         reasons = "; ".join(f"as {'.'.join(str(p) for p in e['loc'][2:]) or 'value'}: {e['msg']}" for e in same)
         return f"{loc[0]}: not a valid value ({reasons})", loc[0]
-    return f"{param}: {first.get('msg', 'invalid value')}", param
+    return f"{param}: {str(first.get('msg', 'invalid value')).removeprefix('Value error, ')}", param
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,6 +1,10 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: validate, tokenize once, dispatch,
 answer whole or as SSE.
 
+``n`` > 1: the first sequence is routed as usual; once its first token is out (its prompt's KV is in its
+decode worker's prefix cache), the others start on that worker over those cached blocks, each with seed
++ i where a seed is given (as vLLM does), and their chunks are merged into one response.
+
 The first worker chunk is awaited before any response starts, so a request that fails before its
 first token (bad input a worker caught, no capacity, a failed transfer) gets a proper HTTP status;
 later failures end the stream with an error event and ``[DONE]``. A client that goes away cancels
@@ -10,15 +14,17 @@ the request on every worker it touched, streamed or not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from router.errors import WORKER_ERROR_STATUS, APIError
-from router.responses import DONE_EVENT, Completion, error_event
+from router.responses import DONE_EVENT, Completion, error_event, response_body, usage_event
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sse import EventStreamResponse, until_disconnect
 from router.state import RouterState
@@ -66,10 +72,17 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens
     if requested is None:  # as vLLM: until EOS or the model's length (KV grows as tokens come)
         requested = max(1, max_model_len - num_prompt_tokens)  # a full prompt fails the length check
     check_fits(num_prompt_tokens, requested, max_model_len)
-    logprobs = bool(body.logprobs) if isinstance(body, ChatCompletionRequest) else body.logprobs is not None
+    if isinstance(body, ChatCompletionRequest):
+        logprobs, top = body.logprobs, body.top_logprobs or 0
+    else:
+        logprobs, top = body.logprobs is not None, body.logprobs or 0
     return SamplingParams(max_tokens=requested, temperature=body.temperature, top_p=body.top_p,
                           top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
-                          ignore_eos=body.ignore_eos, logprobs=logprobs)
+                          stop_token_ids=list(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                          logprobs=logprobs, top_logprobs=top, skip_special_tokens=body.skip_special_tokens,
+                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                          repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_pairs(),
+                          min_tokens=body.min_tokens)
 
 
 async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> Response:
@@ -107,24 +120,103 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty")
     sampling = _sampling(body, len(prompt_ids), shape.max_model_len)
-    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    completion = Completion(kind, prefix + uuid.uuid4().hex, state.model_name, sampling.logprobs)
-    chunks = state.dispatcher.generate(prompt_ids, sampling, body.cache_salt, shape.block_size)
-    first, gone = await until_disconnect(request.receive, _first_chunk(chunks))
-    if gone or first is None:  # the client left before the first token: cancel the request
-        await chunks.aclose()
+    if any(t >= state.tokenizer.vocab_size for t, _ in sampling.logit_bias):
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {state.tokenizer.vocab_size})")
+    request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    choices = [Completion(kind, request_id, state.model_name, sampling.logprobs, index=i) for i in range(body.n)]
+    dispatcher, salt, block_size = state.dispatcher, body.cache_salt, shape.block_size
+    route = dispatcher.plan(prompt_ids, salt, block_size)
+    streams = [dispatcher.generate(prompt_ids, sampling, salt, block_size, route)]
+    firsts, gone = await until_disconnect(request.receive, _first_chunks(streams))
+    if not gone and firsts is not None and body.n > 1:  # the prompt is cached on the decode worker now
+        follow = dispatcher.follow(route, prompt_ids, block_size)
+        more = [dispatcher.generate(prompt_ids, _choice_sampling(sampling, i), salt, block_size, follow)
+                for i in range(1, body.n)]
+        streams += more
+        try:
+            rest, gone = await until_disconnect(request.receive, _first_chunks(more))
+        except BaseException:  # another sequence failed to start: the first one goes too
+            await _close_all(streams)
+            raise
+        firsts = None if rest is None else firsts + rest
+    if gone or firsts is None:  # the client left before the first token: cancel the request
+        await _close_all(streams)
         return Response(status_code=499)
     state.metrics.ttft.observe(time.perf_counter() - arrival)
+    merged = _merge(list(zip(firsts, streams, strict=True)))
     if body.stream:
-        return EventStreamResponse(_stream(state, completion, first, chunks, body.include_usage, arrival,
+        return EventStreamResponse(_stream(state, choices, merged, body.include_usage, arrival,
                                            request.scope["path"]), headers={"Cache-Control": "no-cache"})
-    collected, gone = await until_disconnect(request.receive, _collect(completion, first, chunks))
+    collected, gone = await until_disconnect(request.receive, _collect(choices, merged))
     if gone or collected is None:
-        await chunks.aclose()
+        await merged.aclose()
         return Response(status_code=499)
-    state.metrics.output_tokens.inc(completion.num_output_tokens)
+    state.metrics.output_tokens.inc(sum(c.num_output_tokens for c in choices))
     state.metrics.e2e.observe(time.perf_counter() - arrival)
-    return JSONResponse(completion.body(state.tokenizer))
+    return JSONResponse(response_body(choices, state.tokenizer))
+
+
+def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s settings: its own seed (seed + index) where the request gives one."""
+    return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + index)
+
+
+async def _close_all(streams: list[AsyncGenerator[TokenChunk, None]]) -> None:
+    for stream in streams:
+        await stream.aclose()
+
+
+async def _first_chunks(streams: list[AsyncGenerator[TokenChunk, None]]) -> list[TokenChunk]:
+    """Each stream's first chunk, together; on any failure every stream is closed and the error raised."""
+    try:
+        return list(await asyncio.gather(*(_first_chunk(s) for s in streams)))
+    except BaseException:
+        await _close_all(streams)
+        raise
+
+
+async def _merge(streams: list[tuple[TokenChunk, AsyncGenerator[TokenChunk, None]]]
+                 ) -> AsyncGenerator[tuple[int, TokenChunk | APIError], None]:
+    """Every choice's chunks as they come, each with its choice's index; a stream that breaks mid-way (the
+    worker went away) gives its ``APIError`` as its last item. Closing this closes every stream."""
+    if len(streams) == 1:  # one choice: no task or queue in its path
+        first, chunks = streams[0]
+        try:
+            yield 0, first
+            async for chunk in chunks:
+                yield 0, chunk
+        except APIError as e:
+            yield 0, e
+        finally:
+            await chunks.aclose()
+        return
+    queue: asyncio.Queue[tuple[int, TokenChunk | APIError | None]] = asyncio.Queue()
+
+    async def pump(index: int, first: TokenChunk, chunks: AsyncGenerator[TokenChunk, None]) -> None:
+        try:
+            queue.put_nowait((index, first))
+            async for chunk in chunks:
+                queue.put_nowait((index, chunk))
+        except APIError as e:
+            queue.put_nowait((index, e))
+        finally:
+            await chunks.aclose()
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, first, chunks)) for i, (first, chunks) in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _first_chunk(chunks: AsyncGenerator[TokenChunk, None]) -> TokenChunk:
@@ -145,49 +237,47 @@ def _worker_error(chunk: TokenChunk) -> APIError:
                     retry_after_s=1 if status in (429, 503) else None)
 
 
-async def _collect(completion: Completion, first: TokenChunk, chunks: AsyncGenerator[TokenChunk, None]) -> Completion:
-    completion.add(first)
-    async for chunk in chunks:
-        if chunk.error is not None:
-            raise _worker_error(chunk)
-        completion.add(chunk)
-    return completion
+async def _collect(choices: list[Completion],
+                   merged: AsyncGenerator[tuple[int, TokenChunk | APIError], None]) -> list[Completion]:
+    async with contextlib.aclosing(merged):
+        async for index, item in merged:
+            if isinstance(item, APIError):
+                raise item
+            if item.error is not None:
+                raise _worker_error(item)
+            choices[index].add(item)
+    return choices
 
 
-async def _stream(state: RouterState, completion: Completion, first: TokenChunk,
-                  chunks: AsyncGenerator[TokenChunk, None], include_usage: bool, arrival: float,
-                  endpoint: str) -> AsyncIterator[str]:
+async def _stream(state: RouterState, choices: list[Completion],
+                  merged: AsyncGenerator[tuple[int, TokenChunk | APIError], None], include_usage: bool,
+                  arrival: float, endpoint: str) -> AsyncIterator[str]:
     tok = state.tokenizer
     status = "200"
     try:
-        if completion.kind == "chat":
-            yield completion.role_event()
-        chunk: TokenChunk | None = first
-        while chunk is not None:
-            if chunk.error is not None:
-                error = _worker_error(chunk)
+        if choices[0].kind == "chat":
+            for choice in choices:
+                yield choice.role_event()
+        async for index, item in merged:
+            error = item if isinstance(item, APIError) else _worker_error(item) if item.error is not None else None
+            if error is not None:  # a worker failed, or went away mid-stream
                 status = str(error.status)
                 yield error_event(error.status, error.message, error.code)
                 break
-            completion.add(chunk)
-            event = completion.delta_event(tok, chunk)
+            assert isinstance(item, TokenChunk)
+            choices[index].add(item)
+            event = choices[index].delta_event(tok, item)
             if event is not None:
                 yield event
-            try:
-                chunk = await anext(chunks, None)
-            except APIError as e:  # the worker went away mid-stream
-                status = str(e.status)
-                yield error_event(e.status, e.message, e.code)
-                break
         if include_usage and status == "200":
-            yield completion.usage_event()
+            yield usage_event(choices)
         yield DONE_EVENT
     except asyncio.CancelledError:
-        status = "499"  # the client went away; closing ``chunks`` below cancels the request
+        status = "499"  # the client went away; closing ``merged`` below cancels the request everywhere
         raise
     finally:
-        state.metrics.output_tokens.inc(completion.num_output_tokens)
+        state.metrics.output_tokens.inc(sum(c.num_output_tokens for c in choices))
         state.metrics.e2e.observe(time.perf_counter() - arrival)
         state.metrics.requests.labels(endpoint, status).inc()
         state.metrics.in_flight.dec()
-        await chunks.aclose()
+        await merged.aclose()

@@ -1,4 +1,8 @@
-"""OpenAI response bodies and stream chunks for chat and text completions, built from TokenChunks."""
+"""OpenAI response bodies and stream chunks for chat and text completions, built from TokenChunks.
+
+One ``Completion`` a choice (``n`` of them share the request's id); ``response_body`` and ``usage_event``
+speak for all of a request's choices.
+"""
 
 from __future__ import annotations
 
@@ -13,17 +17,20 @@ from workers.protocol.messages import TokenChunk
 
 @dataclass
 class Completion:
-    """What one request produced so far; fed chunk by chunk."""
+    """What one choice of a request produced so far; fed chunk by chunk."""
 
     kind: str  # "chat" or "completion"
     request_id: str
     model: str
     want_logprobs: bool
+    index: int = 0  # the choice's place among the request's n
     created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it (null: EOS or length)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -32,49 +39,53 @@ class Completion:
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
+        self.top_logprobs.extend(chunk.top_logprobs)
         self.num_prompt_tokens = chunk.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = chunk.num_output_tokens or self.num_output_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         if chunk.finished:
             self.finish_reason = "length" if chunk.finish_reason == "length" else "stop"
+            self.stop_reason = chunk.stop_reason
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.kind == "chat" else "text_completion"
 
-    def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_output_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
     def logprobs_of(self, tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float],
-                    text_offset: int) -> dict[str, Any] | None:
+                    tops: list[list[tuple[int, float]]], text_offset: int) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
-        tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
+        def text(token_id: int) -> str:
+            return tokenizer.decode([token_id], skip_special_tokens=False)
+
+        tokens = [text(t) for t in token_ids]
+        alternatives = [[(text(t), lp) for t, lp in top] for top in tops] if tops else [[] for _ in tokens]
         if self.kind == "chat":
-            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
-                                for tok, lp in zip(tokens, logprobs, strict=False)]}
+            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
+                                 "top_logprobs": [{"token": alt, "logprob": alp, "bytes": list(alt.encode("utf-8"))}
+                                                  for alt, alp in top]}
+                                for tok, lp, top in zip(tokens, logprobs, alternatives, strict=False)]}
         offsets, pos = [], text_offset
         for tok in tokens:
             offsets.append(pos)
             pos += len(tok)
-        return {"tokens": tokens, "token_logprobs": logprobs[: len(tokens)], "top_logprobs": None,
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": logprobs[: len(tokens)],
+                "top_logprobs": [dict(top) for top in alternatives] if tops else None, "text_offset": offsets}
 
-    def body(self, tokenizer: Tokenizer) -> dict[str, Any]:
-        """The whole, non-streamed response."""
-        logprobs = self.logprobs_of(tokenizer, self.token_ids, self.logprobs, 0)
+    def choice(self, tokenizer: Tokenizer) -> dict[str, Any]:
+        """This choice, whole (not streamed)."""
+        logprobs = self.logprobs_of(tokenizer, self.token_ids, self.logprobs, self.top_logprobs, 0)
         if self.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": self.text},
-                                      "logprobs": logprobs, "finish_reason": self.finish_reason}
-        else:
-            choice = {"index": 0, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason}
-        return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage()}
+            return {"index": self.index, "message": {"role": "assistant", "content": self.text},
+                    "logprobs": logprobs, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+        return {"index": self.index, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason}
 
     # ---- streaming ----
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+    def event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        """One SSE event of this request's stream."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         body: dict[str, Any] = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                                 "choices": choices}
@@ -83,22 +94,43 @@ class Completion:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def role_event(self) -> str:
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return self.event([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
 
     def delta_event(self, tokenizer: Tokenizer, chunk: TokenChunk) -> str | None:
         """The SSE event for one worker chunk (after ``add``), or None when it carries nothing to say."""
         finish = self.finish_reason if chunk.finished else None
+        stop_reason = self.stop_reason if chunk.finished else None
         if not chunk.text and finish is None and not (self.want_logprobs and chunk.token_ids):
             return None
-        logprobs = self.logprobs_of(tokenizer, chunk.token_ids, chunk.logprobs, len(self.text) - len(chunk.text))
+        logprobs = self.logprobs_of(tokenizer, chunk.token_ids, chunk.logprobs, chunk.top_logprobs,
+                                    len(self.text) - len(chunk.text))
         if self.kind == "chat":
             delta = {"content": chunk.text} if chunk.text else {}
-            return self._chunk([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
-        return self._chunk([{"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}])
+            return self.event([{"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                                 "stop_reason": stop_reason}])
+        return self.event([{"index": self.index, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish,
+                             "stop_reason": stop_reason}])
 
-    def usage_event(self) -> str:
-        return self._chunk([], self.usage())
+
+def usage(choices: list[Completion]) -> dict[str, Any]:
+    """The prompt once (and what the first choice found cached), the output tokens of every choice."""
+    first = choices[0]
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": first.num_prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
+
+
+def response_body(choices: list[Completion], tokenizer: Tokenizer) -> dict[str, Any]:
+    """The whole, non-streamed response."""
+    first = choices[0]
+    return {"id": first.request_id, "object": first.object, "created": first.created, "model": first.model,
+            "choices": [c.choice(tokenizer) for c in choices], "usage": usage(choices)}
+
+
+def usage_event(choices: list[Completion]) -> str:
+    return choices[0].event([], usage(choices))
 
 
 def error_event(status: int, message: str, kind: str | None) -> str:

@@ -1,32 +1,46 @@
 """OpenAI request bodies (pydantic, strict: a string where a number belongs is a 400, not a guess).
 
-Unknown fields are accepted and ignored, as OpenAI-compatible servers do, so newer clients work;
-fields we cannot honour (``n`` > 1, penalties, ``echo``, ``best_of``, top logprobs) are refused
-with a message naming them rather than silently ignored.
+Nothing is silently ignored. A field Tandem does not know is a 400 naming it, as OpenAI answers an
+unrecognized argument. OpenAI fields Tandem does not implement yet (``UNSUPPORTED``, ``echo``,
+``best_of``) are refused with a message naming them when set to
+anything but null or their default. Tandem's own fields (``VENDOR_FIELDS``) are listed in the README.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from workers.protocol.sampling_params import MAX_TOP_LOGPROBS
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
+# OpenAI request fields not implemented (yet): null is accepted (some clients send every field), any other
+# value is a 400 naming the field.
+UNSUPPORTED = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+               "suffix", "metadata", "store", "service_tier", "modalities", "audio", "prediction",
+               "reasoning_effort", "web_search_options")
+# What Tandem accepts beyond OpenAI's API (vLLM's names and meanings).
+VENDOR_FIELDS = ("top_k", "min_p", "ignore_eos", "cache_salt", "stop_token_ids", "skip_special_tokens",
+                 "repetition_penalty", "min_tokens")
+_STRICT = ConfigDict(extra="forbid", strict=True)
+MAX_CHOICES = 16  # n: sequences a request may ask for (each one decodes on the same worker)
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = _STRICT
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -38,7 +52,7 @@ class ChatMessage(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = _STRICT
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -48,28 +62,54 @@ class _Common(BaseModel):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     seed: int | None = None
     stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    # OpenAI's shape: token ids as JSON object keys (strings), biases in [-100, 100].
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
+    skip_special_tokens: bool = True
     user: str | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
+    # UNSUPPORTED, each declared so that a value other than null is refused by its own name.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    suffix: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator(*UNSUPPORTED, mode="before")
     @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported; leave them at 0")
-        return value
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> None:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported by this server; leave it out or null")
+        return None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is not None and any(not key.isdigit() for key in bias):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers as strings)")
+        return bias
+
+    def logit_bias_pairs(self) -> list[tuple[int, float]]:
+        return [(int(key), value) for key, value in (self.logit_bias or {}).items()]
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -85,7 +125,7 @@ class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -97,11 +137,10 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | list[str] | list[list[int]]
-    # Log probability of the sampled token only (0); top alternatives are not computed.
-    logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
+    # The sampled token's log probability and this many likeliest alternatives' (0: none).
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
-    suffix: None = None
 
     @field_validator("prompt")
     @classmethod

@@ -50,11 +50,29 @@ BAD = [
     ("temperature too high", "POST", TEXT, text(temperature=7), 400),
     ("too many stop strings", "POST", TEXT, text(stop=[f"s{i}" for i in range(40)]), 400),
     ("an empty stop string", "POST", TEXT, text(stop=[""]), 400),
-    ("penalties", "POST", CHAT, chat(presence_penalty=1.0), 400),
-    ("top logprobs", "POST", CHAT, chat(logprobs=True, top_logprobs=5), 400),
+    ("a penalty out of range", "POST", CHAT, chat(presence_penalty=3.0), 400),
+    ("repetition_penalty of zero", "POST", CHAT, chat(repetition_penalty=0), 400),
+    ("logit_bias keyed by a word", "POST", CHAT, chat(logit_bias={"hello": 5}), 400),
+    ("logit_bias past the vocabulary", "POST", CHAT, chat(logit_bias={str(10**9): 5}), 400),
+    ("logit_bias too strong", "POST", CHAT, chat(logit_bias={"5": 500}), 400),
+    ("min_tokens above max_tokens", "POST", CHAT, chat(min_tokens=10), 400),
+    ("top_logprobs past 20", "POST", CHAT, chat(logprobs=True, top_logprobs=21), 400),
+    ("top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=3), 400),
+    ("completion logprobs past 20", "POST", TEXT, text(logprobs=21), 400),
     ("echo", "POST", TEXT, text(echo=True), 400),
     ("stream as a string", "POST", TEXT, text(stream="yes"), 400),
     ("cache_salt empty", "POST", TEXT, text(cache_salt=""), 400),
+    ("an unknown field", "POST", CHAT, chat(length_penalty=1.1), 400),
+    ("an unknown field in a message", "POST", CHAT, chat(messages=[{"role": "user", "content": "hi", "x": 1}]), 400),
+    ("tools (not built yet)", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    ("response_format (not built yet)", "POST", CHAT, chat(response_format={"type": "json_object"}), 400),
+    ("stop_token_ids of the wrong type", "POST", TEXT, text(stop_token_ids=["2"]), 400),
+    ("an unknown field on /tokenize", "POST", "/tokenize", json.dumps({"model": MODEL, "prompt": "a", "x": 1}).encode(),
+     400),
+    ("prompt and messages on /tokenize", "POST", "/tokenize", json.dumps({"model": MODEL, "prompt": "a",
+                                                                        "messages": USER}).encode(), 400),
+    ("token id past the vocabulary on /detokenize", "POST", "/detokenize",
+     json.dumps({"model": MODEL, "tokens": [1, 10**9]}).encode(), 400),
     ("GET on a POST route", "GET", CHAT, b"", 405),
     ("unknown route", "POST", "/v1/engines", chat(), 404),
 ]
@@ -69,6 +87,34 @@ def test_bad_request_is_a_4xx_with_a_message(local_cluster, name, method, path, 
     error = response.json()["error"]
     assert isinstance(error["message"], str) and error["message"], response.text
     assert error["type"]
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"length_penalty": 1.1}, "length_penalty", "Unrecognized request argument supplied: length_penalty"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]}, "messages.0.tool_call_id",
+     "Unrecognized request argument supplied: messages.0.tool_call_id"),
+    ({"stream_options": {"include_usage": True, "continuous": True}}, "stream_options.continuous",
+     "Unrecognized request argument supplied: stream_options.continuous"),
+    ({"tools": []}, "tools", "tools: tools is not supported by this server; leave it out or null"),
+    ({"response_format": {"type": "json_object"}}, "response_format",
+     "response_format: response_format is not supported by this server"),
+])
+def test_a_field_not_implemented_is_refused_by_name(local_cluster, fields, param, message):
+    router, _, _ = local_cluster
+    response = httpx.post(router.url + CHAT, content=chat(**fields), timeout=60,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(message), error
+
+
+def test_null_for_a_field_not_implemented_is_accepted(local_cluster):
+    """Some clients send every field of OpenAI's API, null where unset: that asks for nothing."""
+    router, _, _ = local_cluster
+    response = httpx.post(router.url + CHAT, content=chat(tools=None, response_format=None, store=None),
+                          timeout=60, headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"]
 
 
 def test_cache_salt_isolates_tenants(local_cluster, make_engine):

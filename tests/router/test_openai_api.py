@@ -94,6 +94,140 @@ def test_stop_seed_and_logprobs(client, make_engine):
     assert len(text.choices[0].logprobs.token_logprobs) == 4
 
 
+def test_stop_token_ids_skip_special_tokens_and_stop_reason(client, make_engine):
+    engine = make_engine()
+    prompt = "List the numbers: 1, 2, 3,"
+    full = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    stop_id = full.token_ids[4]
+    cut = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_id]))[0]
+    assert len(cut.token_ids) < len(full.token_ids)  # the engine honours it: now the router must pass it on
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"stop_token_ids": [stop_id]})
+    choice = reply.choices[0]
+    assert choice.text == cut.text and reply.usage.completion_tokens == len(cut.token_ids)
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop_id
+    stop = full.text.strip()[3:6]
+    by_string = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+    assert by_string.choices[0].model_extra["stop_reason"] == stop
+    by_length = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert by_length.choices[0].finish_reason == "length" and by_length.choices[0].model_extra["stop_reason"] is None
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                         extra_body={"stop_token_ids": [stop_id]})
+    last = [c for c in streamed if c.choices][-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop_id
+
+
+def test_skip_special_tokens_reaches_the_worker(client, make_engine):
+    engine = make_engine()
+    tokenizer = engine.tokenizer
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    out = engine.generate([ids], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    # The answer ends its turn and, EOS ignored, goes on: special tokens are among the output.
+    assert set(tokenizer.hf.all_special_ids) & set(out.token_ids)
+    # A salt of its own: no prefix cached by other tests' chats (computed in other chunks, rounded otherwise).
+    kept, dropped = (client.completions.create(model=MODEL, prompt=ids, max_tokens=40, temperature=0,
+                                               extra_body={"ignore_eos": True, "skip_special_tokens": skip,
+                                                           "cache_salt": f"special-{skip}"})
+                     .choices[0].text for skip in (False, True))
+    assert kept == tokenizer.decode(out.token_ids, skip_special_tokens=False)
+    assert dropped == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert kept != dropped
+
+
+def test_penalties_logit_bias_and_min_tokens_reach_the_workers(client, make_engine):
+    engine = make_engine()
+    prompt = "one two one two one two one two one two one two"  # > 8 tokens: prefilled on p0, decoded on d0
+    penalized = SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5,
+                               repetition_penalty=1.2)
+    want = engine.generate([prompt], penalized)[0].text
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                      frequency_penalty=1.5, presence_penalty=0.5,
+                                      extra_body={"repetition_penalty": 1.2})
+    assert reply.choices[0].text == want
+    assert want != engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0].text
+    eos = engine.tokenizer.eos_token_id
+    ended = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                      logit_bias={str(eos): 100})
+    assert ended.usage.completion_tokens == 1 and ended.choices[0].finish_reason == "stop"
+    # min_tokens holds EOS back from the first token too, which the prefill worker samples.
+    held = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                     logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_logprobs_equal_the_engines(client, make_engine, stream):
+    engine = make_engine()
+    tokenizer = engine.tokenizer
+    question = "Name three colours of the rainbow."  # long enough to be prefilled on p0: its first token too
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    want = engine.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=5))[0]
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                           max_tokens=6, temperature=0, logprobs=True, top_logprobs=5,
+                                           stream=stream)
+    if stream:
+        content = [c for chunk in reply if chunk.choices and chunk.choices[0].logprobs
+                   for c in chunk.choices[0].logprobs.content]
+    else:
+        content = reply.choices[0].logprobs.content
+    assert len(content) == len(want.token_ids) == len(want.top_logprobs) == 6
+    for entry, token_id, top in zip(content, want.token_ids, want.top_logprobs, strict=True):
+        assert entry.token == tokenizer.decode([token_id], skip_special_tokens=False)
+        assert [(t.token, t.logprob) for t in entry.top_logprobs] == [
+            (tokenizer.decode([t], skip_special_tokens=False), lp) for t, lp in top]
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the chosen token is the likeliest
+    text = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, logprobs=2)
+    tops = text.choices[0].logprobs.top_logprobs
+    assert [list(top.values()) for top in tops] == [[lp for _, lp in top[:2]] for top in want.top_logprobs[:3]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_share_the_prompt_and_seed_each_choice(client, local_cluster, make_engine, stream):
+    _, prefill, decode = local_cluster
+    engine = make_engine()
+    prompt = "Write a short line about the sea and the wind over it. " * 3  # three full blocks and more
+    num_prompt = len(engine.tokenizer.encode(prompt))
+    want = [engine.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=11 + i))[0].text
+            for i in range(3)]
+    hits_before = decode.loop.call(lambda e: e.stats().prefix_hit_tokens_total).result(timeout=10)
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=11, n=3,
+                                      stream=stream, stream_options={"include_usage": True} if stream else None)
+    if stream:
+        texts, finishes, usage = ["", "", ""], [None] * 3, None
+        for chunk in reply:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    else:
+        assert sorted(c.index for c in reply.choices) == [0, 1, 2]
+        ordered = sorted(reply.choices, key=lambda c: c.index)
+        texts, finishes, usage = [c.text for c in ordered], [c.finish_reason for c in ordered], reply.usage
+    assert texts == want  # choice i sampled with seed 11 + i
+    assert len(set(texts)) > 1 and finishes == ["length"] * 3
+    assert usage.prompt_tokens == num_prompt and usage.completion_tokens == 24
+    # Choices 1 and 2 started over the prompt blocks choice 0 left in the decode worker's prefix cache.
+    hits = decode.loop.call(lambda e: e.stats().prefix_hit_tokens_total).result(timeout=10) - hits_before
+    assert hits >= 2 * (num_prompt // 16) * 16
+    wait_idle(prefill, decode)
+
+
+def test_tokenize_detokenize_round_trip_and_version(local_cluster, make_engine):
+    router, _, _ = local_cluster
+    tokenizer = make_engine().tokenizer
+    text = "Tandem serves tokens, one at a time."
+    got = httpx.post(f"{router.url}/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert got == {"tokens": tokenizer.encode(text), "count": len(tokenizer.encode(text)), "max_model_len": 2048}
+    back = httpx.post(f"{router.url}/detokenize", json={"model": MODEL, "tokens": got["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(got["tokens"], skip_special_tokens=False)}
+    assert text in back["prompt"]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{router.url}/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert chat["tokens"] == tokenizer.apply_chat_template(messages)
+    version = httpx.get(f"{router.url}/version").json()["version"]
+    assert version.count(".") >= 2
+
+
 def test_models_health_ready_metrics(local_cluster):
     router, _, _ = local_cluster
     models = httpx.get(f"{router.url}/v1/models").json()

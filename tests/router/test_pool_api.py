@@ -73,8 +73,8 @@ def test_scale_writes_the_target_the_controller_reads(router, controller):
     ({"decode": {"replicas": -1}}, "decode.replicas", "greater than or equal to 0"),
     ({"decode": {"replicas": "2"}}, "decode.replicas", "valid integer"),
     ({"decode": {"replicas": 1.5}}, "decode.replicas", "valid integer"),
-    ({"decoder": {"replicas": 1}}, "decoder", "Extra inputs"),
-    ({"decode": {"replica": 1}}, "decode.replica", "Extra inputs"),
+    ({"decoder": {"replicas": 1}}, "decoder", "Unrecognized request argument supplied: decoder"),
+    ({"decode": {"replica": 1}}, "decode.replica", "Unrecognized request argument supplied: decode.replica"),
 ])
 def test_bad_scales_are_400_naming_the_field_and_change_nothing(router, controller, body, param, words):
     served, _, _ = router

@@ -1,0 +1,73 @@
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /version``, in vLLM's shapes.
+
+    {"model", "prompt"} or {"model", "messages"}  ->  {"tokens", "count", "max_model_len"}
+    {"model", "tokens"}                           ->  {"prompt"}
+
+A prompt is tokenized as ``/v1/completions`` does it, messages as ``/v1/chat/completions`` does (the
+model's chat template with the generation prompt), so a client can count and budget a request's tokens.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Annotated
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.errors import APIError
+from router.schemas import ChatMessage
+from router.state import RouterState
+from workers.protocol.errors import InvalidRequestError
+
+tokenize_api = APIRouter()
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+_MAX_CHARS = 1_000_000  # beyond any model length this serves; tokenizing more only costs time
+
+
+class TokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str
+    prompt: Annotated[str, Field(max_length=_MAX_CHARS)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1_000_000)]
+
+
+def _state(request: Request, model: str) -> RouterState:
+    state: RouterState = request.app.state.router
+    if model != state.model_name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
+                       "model_not_found", "model")
+    return state
+
+
+@tokenize_api.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, object]:
+    state = _state(request, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("give exactly one of prompt and messages")
+    if body.messages is not None:
+        tokens = state.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+    else:
+        tokens = state.tokenizer.encode(body.prompt or "")
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": state.cluster_shape().max_model_len}
+
+
+@tokenize_api.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+    state = _state(request, body.model)
+    vocab = state.tokenizer.vocab_size
+    if any(t >= vocab for t in body.tokens):
+        raise InvalidRequestError(f"token ids must be in [0, {vocab})")
+    return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+@tokenize_api.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": metadata.version("tandem")}
