@@ -2,8 +2,8 @@
 
 Nothing is silently ignored. A field Tandem does not know is a 400 naming it, as OpenAI answers an
 unrecognized argument. OpenAI fields Tandem does not implement yet (``UNSUPPORTED``, ``echo``,
-``best_of``) are refused with a message naming them when set to
-anything but null or their default. Tandem's own fields (``VENDOR_FIELDS``) are listed in the README.
+``best_of``) are refused with a message naming them when set to anything but null or their default.
+Tandem's own fields (``VENDOR_FIELDS``) are listed in the README.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class _Common(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias is not None and any(not key.isdigit() for key in bias):
+        if bias is not None and any(not (key.isascii() and key.isdigit()) for key in bias):
             raise ValueError("logit_bias keys must be token ids (non-negative integers as strings)")
         return bias
 

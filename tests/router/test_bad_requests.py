@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
 
+from router.schemas import VENDOR_FIELDS
 from tests.router.conftest import MODEL
 
 CHAT = "/v1/chat/completions"
@@ -53,6 +55,7 @@ BAD = [
     ("a penalty out of range", "POST", CHAT, chat(presence_penalty=3.0), 400),
     ("repetition_penalty of zero", "POST", CHAT, chat(repetition_penalty=0), 400),
     ("logit_bias keyed by a word", "POST", CHAT, chat(logit_bias={"hello": 5}), 400),
+    ("logit_bias keyed by a superscript digit", "POST", CHAT, chat(logit_bias={"\u00b2": 5}), 400),
     ("logit_bias past the vocabulary", "POST", CHAT, chat(logit_bias={str(10**9): 5}), 400),
     ("logit_bias too strong", "POST", CHAT, chat(logit_bias={"5": 500}), 400),
     ("min_tokens above max_tokens", "POST", CHAT, chat(min_tokens=10), 400),
@@ -106,6 +109,11 @@ def test_a_field_not_implemented_is_refused_by_name(local_cluster, fields, param
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"].startswith(message), error
+
+
+def test_the_readme_lists_every_vendor_field() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in VENDOR_FIELDS), [n for n in VENDOR_FIELDS if f"`{n}`" not in readme]
 
 
 def test_null_for_a_field_not_implemented_is_accepted(local_cluster):
