@@ -82,7 +82,7 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens
                           logprobs=logprobs, top_logprobs=top, skip_special_tokens=body.skip_special_tokens,
                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                           repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_pairs(),
-                          min_tokens=body.min_tokens)
+                          min_tokens=body.min_tokens, json_schema=body.json_schema())
 
 
 async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> Response:

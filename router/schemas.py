@@ -8,6 +8,7 @@ Tandem's own fields (``VENDOR_FIELDS``) are listed in the README.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -18,7 +19,7 @@ Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 # OpenAI request fields not implemented (yet): null is accepted (some clients send every field), any other
 # value is a 400 naming the field.
-UNSUPPORTED = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
                "suffix", "metadata", "store", "service_tier", "modalities", "audio", "prediction",
                "reasoning_effort", "web_search_options")
 # What Tandem accepts beyond OpenAI's API (vLLM's names and meanings).
@@ -51,6 +52,30 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class TextFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["json_object"]
+
+
+class JsonSchema(BaseModel):
+    model_config = _STRICT
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
+    strict: bool | None = None  # the schema is always enforced; accepted as OpenAI's clients send it
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
 class _Common(BaseModel):
     model_config = _STRICT
 
@@ -77,8 +102,10 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     user: str | None = None
 
+    response_format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
+                               Field(discriminator="type")] | None = None
+
     # UNSUPPORTED, each declared so that a value other than null is refused by its own name.
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -110,6 +137,14 @@ class _Common(BaseModel):
 
     def logit_bias_pairs(self) -> list[tuple[int, float]]:
         return [(int(key), value) for key, value in (self.logit_bias or {}).items()]
+
+    def json_schema(self) -> str | None:
+        """The schema every output must match, as JSON text; None for free text."""
+        if isinstance(self.response_format, JsonObjectFormat):
+            return '{"type": "object"}'
+        if isinstance(self.response_format, JsonSchemaFormat):
+            return json.dumps(self.response_format.json_schema.schema_)
+        return None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -212,6 +212,37 @@ def test_n_choices_share_the_prompt_and_seed_each_choice(client, local_cluster, 
     wait_idle(prefill, decode)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_outputs_validate(client, stream):
+    """Prompts long enough to be prefilled on p0: the first token, sampled there, obeys the schema too."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    texts = []
+    for seed in range(4):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name a large city and its population, as JSON."}],
+            max_tokens=60, temperature=1.0, seed=seed, stream=stream,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema,
+                                                                    "strict": True}})
+        if stream:
+            texts.append("".join(c.choices[0].delta.content or "" for c in reply if c.choices))
+        else:
+            assert reply.choices[0].finish_reason == "stop"
+            texts.append(reply.choices[0].message.content)
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    sea = [{"role": "user", "content": "Give me a JSON object about the sea."}]
+    reply = client.chat.completions.create(model=MODEL, max_tokens=200, temperature=0, messages=sea,
+                                           response_format={"type": "json_object"})
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
 def test_tokenize_detokenize_round_trip_and_version(local_cluster, make_engine):
     router, _, _ = local_cluster
     tokenizer = make_engine().tokenizer

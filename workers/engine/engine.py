@@ -27,6 +27,7 @@ from workers.engine.model_loading import load_model
 from workers.engine.model_runner import ModelRunner
 from workers.engine.request import Request, RequestStatus
 from workers.engine.scheduler import KVReservation, SampledToken, Scheduler
+from workers.engine.structured_output import StructuredOutputs, accept
 from workers.model.llama import LlamaModel
 from workers.model.tokenizer import Tokenizer
 from workers.protocol.errors import CapacityError, InvalidRequestError, QueueFullError
@@ -118,6 +119,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, eos)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.attention_backend, config.seed, eos)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.structured_outputs = StructuredOutputs(self.tokenizer.hf, model.config.vocab_size)
         self._ids = itertools.count()
         # torch + transformers leave ~350K tracked objects; a full GC pass over them stalls a step
         # by ~0.45 s on this CPU. Freezing them (as vLLM does) keeps later collections short.
@@ -166,6 +168,8 @@ class Engine:
             raise InvalidRequestError(f"request id {rid!r} is already running")
         request = Request(rid, token_ids, params, cache_salt=cache_salt,
                           hold_blocks_on_finish=prefill_only, remote_prefill=remote_prefill)
+        if params.json_schema is not None:  # a prefill worker's first token obeys it too
+            request.grammar = self.structured_outputs.matcher(params.json_schema)
         self._detokenizers[rid] = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
         self.scheduler.add_request(request)
@@ -207,8 +211,9 @@ class Engine:
         if request is None:
             return None
         # The first draw of a sampled request's stream happened on the prefill worker; skip it here,
-        # so the tokens match a single engine's with the same seed.
+        # so the tokens match a single engine's with the same seed. Its grammar moves past that token too.
         self.runner.skip_sample(request)
+        accept(request.grammar, token_id)
         return self._postprocess(request)
 
     def held_block_ids(self, request_id: str) -> list[int]:

@@ -14,6 +14,7 @@ import kernels
 from workers.engine.request import Request
 from workers.engine.sampler import draw, sample, top_logprobs
 from workers.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from workers.engine.structured_output import accept
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.llama import LlamaModel
 
@@ -67,7 +68,10 @@ class ModelRunner:
         token_ids, logprobs = sample(
             logits, params, [self._generator(r) for r in sampling],
             [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling], self.eos_token_id,
+            [r.grammar for r in sampling],
         )
+        for request, token_id in zip(sampling, token_ids, strict=True):
+            accept(request.grammar, token_id)
         results: list[SampledToken | None] = [None] * len(chunks)
         sampled = iter(zip(token_ids, logprobs, top_logprobs(logits, params), strict=True))
         for i, chunk in zip(order, rows, strict=True):

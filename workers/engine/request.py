@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.protocol.block_hash import hash_prompt_blocks
 from workers.protocol.sampling_params import SamplingParams
@@ -55,6 +56,8 @@ class Request:
     hold_blocks_on_finish: bool = False
     # Decode worker side: reserve blocks for the whole prompt; its KV and first token arrive from outside.
     remote_prefill: bool = False
+    # Structured output: the xgrammar matcher of this request's schema (its state: the tokens so far).
+    grammar: Any = None
     _block_hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

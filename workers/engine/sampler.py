@@ -12,10 +12,12 @@ step for 64 rows on this CPU, against ~4 ms.)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from workers.engine.penalties import apply_penalties
+from workers.engine.structured_output import apply_grammar_masks
 from workers.protocol.sampling_params import SamplingParams
 
 # Top-p first looks among this many most likely tokens (``topk``, not a sort of the whole vocabulary:
@@ -93,6 +95,7 @@ def sample(
     prompts: Sequence[Sequence[int]] = (),  # each row's prompt and output tokens so far: for the penalties
     outputs: Sequence[Sequence[int]] = (),
     eos_token_id: int | None = None,
+    grammars: Sequence[Any | None] = (),  # each row's structured-output matcher, or None
 ) -> tuple[list[int], list[float | None]]:
     """Next token of every row and, where asked, the chosen token's log-probability.
 
@@ -105,6 +108,8 @@ def sample(
         adjusted = apply_penalties(logits, params, prompts, outputs, eos_token_id)
     else:
         adjusted = logits
+    if any(g is not None for g in grammars):
+        adjusted = apply_grammar_masks(adjusted, grammars)
     token_ids = adjusted.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if random_rows:

@@ -3,6 +3,7 @@ valid, whether the router built it from an HTTP body or a worker unpacked it fro
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from workers.protocol.errors import InvalidRequestError
@@ -31,6 +32,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias added to its logit)
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many tokens are out
+    # Structured output: a JSON schema (as JSON text) every output must match, enforced by token masks
+    # (workers/engine/structured_output.py); OpenAI's json_object is the schema {"type": "object"}.
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -80,8 +84,23 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias maps token ids (non-negative integers) to biases in [-100, 100]")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.json_schema is not None:
+            _check_schema(self.json_schema)
+        if self.json_schema is not None and (self.ignore_eos or self.min_tokens):
+            # The grammar ends on EOS; holding it back would leave no token to sample.
+            raise InvalidRequestError("response_format cannot be combined with ignore_eos or min_tokens")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+
+
+def _check_schema(json_schema: str) -> None:
+    """A schema must be a JSON object (xgrammar says the rest when it compiles it)."""
+    try:
+        schema = json.loads(json_schema)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise InvalidRequestError(f"response_format: the schema is not JSON: {e}") from e
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("response_format: the schema must be a JSON object")
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

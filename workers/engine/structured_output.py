@@ -1,0 +1,80 @@
+"""Structured outputs: a request's JSON schema enforced token by token with masks from xgrammar (the
+grammar engine vLLM and SGLang use).
+
+    outputs = StructuredOutputs(tokenizer.hf, vocab_size)     # per engine; xgrammar loads on first use
+    request.grammar = outputs.matcher(schema_json)            # per request; a bad schema is a 400
+    logits = apply_grammar_masks(logits, [r.grammar ...])     # before sampling: disallowed tokens -inf
+    accept(request.grammar, token_id)                         # after: the matcher moves on
+
+Compiled grammars are cached by schema text. Whitespace between JSON tokens is not free: a small model
+at temperature 1 would otherwise wander in spaces and newlines until max_tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from workers.protocol.errors import InvalidRequestError
+
+
+class StructuredOutputs:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int):
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+
+    @functools.cached_property
+    def _compiler(self) -> Any:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size)
+        return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+
+    def matcher(self, json_schema: str) -> Any:
+        """A fresh xgrammar ``GrammarMatcher`` for one request's schema (JSON text)."""
+        import xgrammar as xgr
+
+        try:
+            compiled = self._compiler.compile_json_schema(json_schema, any_whitespace=False, strict_mode=True)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises several kinds for a schema it cannot take
+            raise InvalidRequestError(f"response_format: the schema cannot be compiled: {e}") from e
+        return xgr.GrammarMatcher(compiled)
+
+
+def apply_grammar_masks(logits: torch.Tensor, grammars: Sequence[Any | None]) -> torch.Tensor:
+    """logits [N, V] with every token a row's grammar forbids at -inf (a copy; the input where no row has one).
+
+    xgrammar packs each row's allowed tokens 32 to an int32; its own CPU apply took ~4 ms for 16 rows of a
+    49K vocabulary (a third of a decode step here), so the bits are unpacked with one shift and mask instead.
+    """
+    rows = [(i, g) for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return logits
+    import xgrammar as xgr
+
+    num_rows, vocab = len(rows), logits.shape[1]
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab)
+    for j, (_, grammar) in enumerate(rows):
+        grammar.fill_next_token_bitmask(bitmask, j)
+    # Bit k of int32 word w is token 32 w + k: little-endian bytes, so byte b's bit k is token 8 b + k.
+    packed = bitmask.contiguous().view(torch.uint8)
+    allowed = ((packed.unsqueeze(-1) >> _BIT_SHIFTS) & 1).view(num_rows, -1)[:, :vocab].bool().to(logits.device)
+    if num_rows == logits.shape[0]:
+        return logits.masked_fill(~allowed, float("-inf"))
+    index = torch.tensor([i for i, _ in rows], device=logits.device)
+    out = logits.clone()
+    out[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return out
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def accept(grammar: Any | None, token_id: int) -> None:
+    """Move a request's matcher past a token it sampled (or received: a prefill worker's first token)."""
+    if grammar is not None and not grammar.accept_token(token_id):
+        raise RuntimeError(f"the grammar refused token {token_id}, which its own mask allowed")
+
