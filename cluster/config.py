@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from kernels.host_math import cdiv
+from router.auth import AuthConfig
 from router.policy import PolicyConfig
 from workers.engine.config import EngineConfig
 from workers.protocol.cluster_keys import ROLES
@@ -96,6 +97,15 @@ class RouterSection(_Strict):
     prefix_affinity: float = Field(default=0.25, ge=0)
     approx_ttl_s: float = Field(default=2.0, gt=0)
     shutdown_grace_s: int = Field(default=20, ge=0)  # on SIGTERM, in-flight streams get this many seconds
+    # Keys (router/auth.py): secrets, shown as ********** wherever the config is dumped (/cluster/config).
+    # Prefer TANDEM_API_KEY / TANDEM_ADMIN_KEY or --api-key / --admin-key to a key written in a file.
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    admin_keys: list[SecretStr] = Field(default_factory=list)
+    metrics_need_key: bool = False
+
+    def auth_config(self) -> AuthConfig:
+        return AuthConfig(tuple(k.get_secret_value() for k in self.api_keys),
+                          tuple(k.get_secret_value() for k in self.admin_keys), self.metrics_need_key)
 
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(self.policy, self.prefill_weight, self.load_weight, self.local_prefill_max_tokens,

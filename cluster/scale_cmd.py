@@ -18,10 +18,13 @@ from typing import Any
 
 import httpx
 
+from cluster.admin_client import add_key_argument, auth_headers
 from cluster.config import ConfigError, load_config
 from workers.protocol.cluster_keys import ROLES
 
 LIVE_KEYS = ("replicas", "min_replicas", "max_replicas")  # what a running cluster can change
+# Keys often come from the environment or flags, not the file, and show only as **********: never compared.
+SECRET_PATHS = ("router.api_keys", "router.admin_keys")
 
 
 def add_parsers(sub: Any) -> None:
@@ -39,6 +42,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a router of the cluster")
     p.add_argument("--wait", action="store_true", help="return once the pools match (workers ready or drained)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits at most")
+    add_key_argument(p)
 
 
 class CommandError(Exception):
@@ -63,7 +67,8 @@ def live_changes(running: dict[str, Any], wanted: dict[str, Any]) -> tuple[dict[
     """The pool changes a running cluster takes, and every other key that differs (needs a restart)."""
     pools = {role: {k: wanted[role][k] for k in LIVE_KEYS} for role in ROLES}
     others = [f"{path} ({old!r} -> {new!r})" for path, old, new in _differences(running, wanted)
-              if not (path.split(".")[0] in ROLES and path.split(".")[-1] in LIVE_KEYS and path.count(".") == 1)]
+              if path not in SECRET_PATHS
+              and not (path.split(".")[0] in ROLES and path.split(".")[-1] in LIVE_KEYS and path.count(".") == 1)]
     return pools, others
 
 
@@ -94,7 +99,7 @@ def run_apply(args: argparse.Namespace) -> int:
 
 
 def _run(name: str, args: argparse.Namespace, changes: Any) -> int:
-    with httpx.Client(base_url=args.url.rstrip("/"), timeout=30) as client:
+    with httpx.Client(base_url=args.url.rstrip("/"), timeout=30, headers=auth_headers(args)) as client:
         try:
             targets = _call(client, "POST", "/cluster/scale", changes(client))["targets"]
             replicas = {role: targets[role]["replicas"] for role in ROLES if role in targets}

@@ -29,6 +29,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, help="router port")
     p.add_argument("--redis", help="external Redis URL (default: an embedded redis-server)")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    p.add_argument("--api-key", action="append", help="require 'Authorization: Bearer KEY' on the API (repeatable; "
+                   "also TANDEM_API_KEY, YAML router.api_keys)")
+    p.add_argument("--admin-key", action="append", help="the key the /cluster/* endpoints need (repeatable; also "
+                   "TANDEM_ADMIN_KEY, YAML router.admin_keys; default: the API key)")
     p.set_defaults(func=run)
 
 
@@ -48,6 +52,9 @@ def apply_flags(config: ClusterConfig, args: argparse.Namespace) -> ClusterConfi
                                ("ray_address", "ray", "address")):
         if getattr(args, flag) is not None:
             data[section][key] = getattr(args, flag)
+    for flag, env, key in (("api_key", "TANDEM_API_KEY", "api_keys"), ("admin_key", "TANDEM_ADMIN_KEY", "admin_keys")):
+        data["router"][key] = [*data["router"][key], *(getattr(args, flag, None) or []),
+                               *([os.environ[env]] if os.environ.get(env) else [])]
     return parse_config(data)
 
 
@@ -71,8 +78,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         launcher.start()
+        auth = config.router.auth_config()
+        if not auth.enabled and config.router.host not in ("127.0.0.1", "localhost", "::1"):
+            say(f"warning: the router listens on {config.router.host} with no API key: anyone who reaches it may "
+                "use and scale the cluster (--api-key, TANDEM_API_KEY or router.api_keys)")
         router = RouterConfig(launcher.redis_url, config.name, config.model.path, config.model.served_name,
-                              config.router.policy_config(), config.router.approx_ttl_s)
+                              config.router.policy_config(), config.router.approx_ttl_s, auth=auth)
         app = create_app(router, RayWorkerClient(config.ray.namespace))
         server = uvicorn.Server(uvicorn.Config(app, host=config.router.host, port=config.router.port,
                                                log_level="warning",

@@ -9,17 +9,20 @@ from typing import Any
 
 import httpx
 
+from cluster.admin_client import add_key_argument, auth_headers
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("status", help="pools and workers of a running cluster")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a router of the cluster")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_key_argument(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        response = httpx.get(f"{args.url.rstrip('/')}/cluster/status", timeout=10)
+        response = httpx.get(f"{args.url.rstrip('/')}/cluster/status", timeout=10, headers=auth_headers(args))
         response.raise_for_status()
     except httpx.HTTPError as e:
         print(f"tandem status: cannot reach a router at {args.url}: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the server's first model from /v1/models")
+    p.add_argument("--api-key", default=None, help="sent as a bearer token (default: $TANDEM_API_KEY, else "
+                   "$OPENAI_API_KEY)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, default=None, help="requests/s (open loop)")
     load.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in flight")
@@ -91,8 +94,8 @@ def _main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"tandem loadgen: error: {e}", file=sys.stderr)
         return 2
-    model = args.model or first_model(args.url)
-    cfg = ClientConfig(args.url, model, args.api, args.timeout, not args.no_ignore_eos)
+    model = args.model or first_model(args.url, api_key(args))
+    cfg = ClientConfig(args.url, model, args.api, args.timeout, not args.no_ignore_eos, api_key=api_key(args))
     text = TokenText(load_tokenizer(args.tokenizer))
     out = Path(args.out)
     if args.sweep_rates or args.find_capacity:
@@ -106,11 +109,16 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
-def first_model(url: str) -> str:
+def api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get("TANDEM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+
+
+def first_model(url: str, key: str | None = None) -> str:
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     try:
-        data = httpx.get(base + "/models", timeout=10).json()["data"]
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        data = httpx.get(base + "/models", timeout=10, headers=headers).json()["data"]
         return str(data[0]["id"])
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
         raise SystemExit(f"tandem loadgen: cannot read the model list from {base}/models ({e}); pass --model") from e

@@ -24,6 +24,7 @@ class ClientConfig:
     timeout_s: float = 300.0
     ignore_eos: bool = True
     temperature: float = 0.0
+    api_key: str | None = None  # sent as "Authorization: Bearer KEY"
 
     @property
     def endpoint(self) -> str:
@@ -54,8 +55,9 @@ async def send_streaming(client: httpx.AsyncClient, cfg: ClientConfig, record: R
     record.send_s = time.perf_counter() - clock_zero
     pieces: list[str] = []
     try:
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
         async with client.stream("POST", cfg.endpoint, json=request_body(cfg, messages, max_tokens),
-                                 timeout=cfg.timeout_s) as resp:
+                                 timeout=cfg.timeout_s, headers=headers) as resp:
             record.status = resp.status_code
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode("utf-8", "replace")[:300]

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from router.auth import APIKeyAuth
 from router.dispatch import Dispatcher
 from router.errors import install_error_handlers
 from router.kv_event_consumer import KVEventConsumer
@@ -65,6 +66,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
             await redis.aclose()
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
+    app.add_middleware(APIKeyAuth, config=config.auth)
     install_error_handlers(app)
     app.include_router(api)
     app.include_router(pools_api)

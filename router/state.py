@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import redis.asyncio as aioredis
 
+from router.auth import AuthConfig
 from router.dispatch import Dispatcher
 from router.errors import no_worker_error
 from router.kv_event_consumer import KVEventConsumer
@@ -34,6 +35,7 @@ class RouterConfig:
     approx_ttl_s: float = 2.0
     poll_interval_s: float = 0.05
     metrics_timeout_s: float = 2.0
+    auth: AuthConfig = field(default_factory=AuthConfig)  # API keys; none: open, as on a laptop
 
 
 class ClusterShape(NamedTuple):
