@@ -3,7 +3,7 @@
     /health, /ready                      open (load balancers and probes)
     /metrics                             open, or an API key with ``metrics_need_key``
     /cluster/*                           an admin key; the API key where no admin key is set
-    everything else (/v1/*, /tokenize)   an API key (an admin key serves too)
+    everything else (/v1/*, /tokenize)   an API key where any is set (an admin key serves too)
 
 Keys come as ``Authorization: Bearer KEY``; a missing or wrong key is a 401 in OpenAI's error shape, an
 API key on an admin route a 403. Keys are compared in constant time (``hmac.compare_digest``) and never
@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -26,8 +26,8 @@ OPEN_PATHS = ("/health", "/ready")
 
 @dataclass(frozen=True)
 class AuthConfig:
-    api_keys: tuple[str, ...] = ()
-    admin_keys: tuple[str, ...] = ()  # empty: the API keys guard the cluster endpoints too
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: the API is open
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: the API keys guard /cluster/* too
     metrics_need_key: bool = False
 
     @property
@@ -76,8 +76,8 @@ class APIKeyAuth:
                 return None
             if token is not None and _matches(token, cfg.api_keys):
                 return 403, "this endpoint needs the admin key", "admin_key_required"
-        elif token is not None and (_matches(token, cfg.api_keys) or _matches(token, admin)):
-            return None
+        elif not cfg.api_keys or (token is not None and (_matches(token, cfg.api_keys) or _matches(token, admin))):
+            return None  # (only an admin key set: the API stays open)
         if token is None:
             return 401, "missing API key: send it as 'Authorization: Bearer KEY'", "missing_api_key"
         return 401, "incorrect API key provided", "invalid_api_key"

@@ -93,9 +93,10 @@ class SteadyLoad:
         while not self.stop.is_set():
             n += 1
             try:
-                # 48 tokens each (no early stop), so a worker scaled away a second later still holds one.
+                # 160 tokens each (no early stop), so a worker scaled away a second later still holds one (at
+                # 48 the quantized decode finished them first, about half the time).
                 stream = client.chat.completions.create(
-                    model="SmolLM2-135M-Instruct", stream=True, max_tokens=48, temperature=0,
+                    model="SmolLM2-135M-Instruct", stream=True, max_tokens=160, temperature=0,
                     extra_body={"ignore_eos": True},
                     messages=[{"role": "user", "content": f"User {i}, question {n}: name a colour."}])
                 reasons = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]

@@ -74,6 +74,17 @@ def test_probes_and_metrics_stay_open(keyed, redis_url, default_model_and_tokeni
         closed.stop()
 
 
+def test_an_admin_key_alone_guards_only_the_cluster_endpoints(redis_url, default_model_and_tokenizer) -> None:
+    served = serve(redis_url, default_model_and_tokenizer[1], AuthConfig(admin_keys=(ADMIN,)))
+    try:
+        assert call(served.url, "GET", "/v1/models").status_code == 200
+        assert call(served.url, "GET", "/cluster/status").status_code == 401
+        assert call(served.url, "GET", "/cluster/status", ADMIN).status_code == 200
+        assert ADMIN not in repr(AuthConfig((API,), (ADMIN,)))
+    finally:
+        served.stop()
+
+
 def test_no_key_configured_leaves_everything_open(redis_url, default_model_and_tokenizer) -> None:
     served = serve(redis_url, default_model_and_tokenizer[1], AuthConfig())
     try:
