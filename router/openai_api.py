@@ -112,9 +112,7 @@ async def _serve(request: Request, body: ChatCompletionRequest | CompletionReque
 
 async def _respond(request: Request, state: RouterState, body: ChatCompletionRequest | CompletionRequest,
                    kind: str, arrival: float) -> Response:
-    if body.model != state.model_name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                       "model_not_found", "model")
+    state.require_model(body.model)
     shape = state.cluster_shape()
     prompt_ids = _tokenize(state, body, shape.max_model_len)
     if not prompt_ids:

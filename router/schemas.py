@@ -25,23 +25,23 @@ UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "func
 # What Tandem accepts beyond OpenAI's API (vLLM's names and meanings).
 VENDOR_FIELDS = ("top_k", "min_p", "ignore_eos", "cache_salt", "stop_token_ids", "skip_special_tokens",
                  "repetition_penalty", "min_tokens")
-_STRICT = ConfigDict(extra="forbid", strict=True)
+STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_CHOICES = 16  # n: sequences a request may ask for (each one decodes on the same worker)
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -53,17 +53,17 @@ class ChatMessage(BaseModel):
 
 
 class TextFormat(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["text"]
 
 
 class JsonObjectFormat(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["json_object"]
 
 
 class JsonSchema(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
     schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
@@ -71,13 +71,18 @@ class JsonSchema(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["json_schema"]
     json_schema: JsonSchema
 
 
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (content parts joined)."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 class _Common(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -163,7 +168,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return message_dicts(self.messages)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from router.auth import AuthConfig
 from router.dispatch import Dispatcher
-from router.errors import no_worker_error
+from router.errors import APIError, no_worker_error
 from router.kv_event_consumer import KVEventConsumer
 from router.metrics import RouterMetrics
 from router.policy import PolicyConfig
@@ -56,6 +56,12 @@ class RouterState:
     metrics: RouterMetrics
     client: WorkerClient
     created: int = field(default_factory=lambda: int(time.time()))  # Unix time the router loaded the model
+
+    def require_model(self, model: str) -> None:
+        """404 unless ``model`` is the name this router serves."""
+        if model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model_not_found", "model")
 
     def cluster_shape(self) -> ClusterShape:
         """Block size and the longest request every decode worker takes; 503 with no decode worker."""

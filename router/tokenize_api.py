@@ -13,37 +13,33 @@ from importlib import metadata
 from typing import Annotated
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from router.errors import APIError
-from router.schemas import ChatMessage
+from router.schemas import STRICT, ChatMessage, message_dicts
 from router.state import RouterState
 from workers.protocol.errors import InvalidRequestError
 
 tokenize_api = APIRouter()
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
 _MAX_CHARS = 1_000_000  # beyond any model length this serves; tokenizing more only costs time
 
 
 class TokenizeRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     model: str
     prompt: Annotated[str, Field(max_length=_MAX_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     model: str
     tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1_000_000)]
 
 
 def _state(request: Request, model: str) -> RouterState:
     state: RouterState = request.app.state.router
-    if model != state.model_name:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
-                       "model_not_found", "model")
+    state.require_model(model)
     return state
 
 
@@ -53,7 +49,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, object]
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages")
     if body.messages is not None:
-        tokens = state.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+        tokens = state.tokenizer.apply_chat_template(message_dicts(body.messages))
     else:
         tokens = state.tokenizer.encode(body.prompt or "")
     return {"tokens": tokens, "count": len(tokens), "max_model_len": state.cluster_shape().max_model_len}
