@@ -28,6 +28,7 @@ from router.responses import DONE_EVENT, Completion, error_event, response_body,
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sse import EventStreamResponse, until_disconnect
 from router.state import RouterState
+from router.tool_calls import ToolPlan, tool_plan
 from workers.protocol.errors import InvalidRequestError
 from workers.protocol.messages import TokenChunk
 from workers.protocol.sampling_params import SamplingParams, check_fits
@@ -48,13 +49,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _serve(request, body, "completion")
 
 
-def _tokenize(state: RouterState, body: ChatCompletionRequest | CompletionRequest, max_model_len: int) -> list[int]:
+def _tokenize(state: RouterState, body: ChatCompletionRequest | CompletionRequest, max_model_len: int,
+              tools: ToolPlan | None) -> list[int]:
     tok = state.tokenizer
     if isinstance(body, ChatCompletionRequest):
         messages = body.message_dicts()
         if sum(len(m["content"]) for m in messages) > max_model_len * _MAX_CHARS_PER_TOKEN:
             raise InvalidRequestError(f"the messages are far longer than max_model_len {max_model_len} tokens")
-        return tok.apply_chat_template(messages)
+        return tok.apply_chat_template(messages, tools.tools if tools is not None else None)
     prompt = body.prompt
     if isinstance(prompt, str):
         if len(prompt) > max_model_len * _MAX_CHARS_PER_TOKEN:
@@ -67,7 +69,7 @@ def _tokenize(state: RouterState, body: ChatCompletionRequest | CompletionReques
 
 
 def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
-              max_model_len: int) -> SamplingParams:
+              max_model_len: int, tools: ToolPlan | None) -> SamplingParams:
     requested = body.requested_max_tokens
     if requested is None:  # as vLLM: until EOS or the model's length (KV grows as tokens come)
         requested = max(1, max_model_len - num_prompt_tokens)  # a full prompt fails the length check
@@ -82,7 +84,8 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens
                           logprobs=logprobs, top_logprobs=top, skip_special_tokens=body.skip_special_tokens,
                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                           repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_pairs(),
-                          min_tokens=body.min_tokens, json_schema=body.json_schema())
+                          min_tokens=body.min_tokens, json_schema=body.json_schema(),
+                          structural_tag=tools.structural_tag if tools is not None else None)
 
 
 async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> Response:
@@ -114,14 +117,16 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
                    kind: str, arrival: float) -> Response:
     state.require_model(body.model)
     shape = state.cluster_shape()
-    prompt_ids = _tokenize(state, body, shape.max_model_len)
+    tools = tool_plan(body, state.tokenizer) if isinstance(body, ChatCompletionRequest) else None
+    prompt_ids = _tokenize(state, body, shape.max_model_len, tools)
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty")
-    sampling = _sampling(body, len(prompt_ids), shape.max_model_len)
+    sampling = _sampling(body, len(prompt_ids), shape.max_model_len, tools)
     if any(t >= state.tokenizer.vocab_size for t, _ in sampling.logit_bias):
         raise InvalidRequestError(f"logit_bias token ids must be in [0, {state.tokenizer.vocab_size})")
     request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-    choices = [Completion(kind, request_id, state.model_name, sampling.logprobs, index=i) for i in range(body.n)]
+    choices = [Completion(kind, request_id, state.model_name, sampling.logprobs, index=i, tools=tools)
+               for i in range(body.n)]
     dispatcher, salt, block_size = state.dispatcher, body.cache_salt, shape.block_size
     route = dispatcher.plan(prompt_ids, salt, block_size)
     streams = [dispatcher.generate(prompt_ids, sampling, salt, block_size, route)]

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.tool_call_parser import ToolCallParser
+from router.tool_calls import ToolPlan
 from workers.model.tokenizer import Tokenizer
 from workers.protocol.messages import TokenChunk
 
@@ -34,6 +36,8 @@ class Completion:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    tools: ToolPlan | None = None  # calls are read out of the text (chat with tools)
+    _stream_parser: ToolCallParser = field(default_factory=ToolCallParser, repr=False)
 
     def add(self, chunk: TokenChunk) -> None:
         self.text += chunk.text
@@ -74,12 +78,28 @@ class Completion:
         return {"tokens": tokens, "token_logprobs": logprobs[: len(tokens)],
                 "top_logprobs": [dict(top) for top in alternatives] if tops else None, "text_offset": offsets}
 
+    def _finish_reason(self, called: bool) -> str | None:
+        """OpenAI's: "tool_calls" where the model chose to call (a forced call ends with "stop")."""
+        if called and self.finish_reason == "stop" and self.tools is not None and not self.tools.forced:
+            return "tool_calls"
+        return self.finish_reason
+
     def choice(self, tokenizer: Tokenizer) -> dict[str, Any]:
         """This choice, whole (not streamed)."""
         logprobs = self.logprobs_of(tokenizer, self.token_ids, self.logprobs, self.top_logprobs, 0)
         if self.kind == "chat":
-            return {"index": self.index, "message": {"role": "assistant", "content": self.text},
-                    "logprobs": logprobs, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": self.text}
+            calls: list[dict[str, Any]] = []
+            if self.tools is not None:
+                parser = ToolCallParser()
+                parser.feed(self.text)
+                parser.finish()
+                calls = parser.calls
+                if calls:  # the text around the calls is whitespace, as the format puts it
+                    message = {"role": "assistant", "content": parser.content if parser.content.strip() else None,
+                               "tool_calls": calls}
+            return {"index": self.index, "message": message, "logprobs": logprobs,
+                    "finish_reason": self._finish_reason(bool(calls)), "stop_reason": self.stop_reason}
         return {"index": self.index, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason,
                 "stop_reason": self.stop_reason}
 
@@ -106,11 +126,30 @@ class Completion:
         logprobs = self.logprobs_of(tokenizer, chunk.token_ids, chunk.logprobs, chunk.top_logprobs,
                                     len(self.text) - len(chunk.text))
         if self.kind == "chat":
-            delta = {"content": chunk.text} if chunk.text else {}
+            delta: dict[str, Any] = {"content": chunk.text} if chunk.text else {}
+            if self.tools is not None:
+                delta = self._tool_delta(chunk)
+                finish = self._finish_reason(bool(self._stream_parser.calls)) if chunk.finished else None
+                if not delta and finish is None and not (self.want_logprobs and chunk.token_ids):
+                    return None
             return self.event([{"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                                  "stop_reason": stop_reason}])
         return self.event([{"index": self.index, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish,
                              "stop_reason": stop_reason}])
+
+
+    def _tool_delta(self, chunk: TokenChunk) -> dict[str, Any]:
+        """A chunk's text as the stream shows it: content, and each call whole once it has closed."""
+        parser = self._stream_parser
+        done = len(parser.calls)
+        shown, calls = parser.feed(chunk.text)
+        if chunk.finished:
+            rest, last = parser.finish()
+            shown, calls = shown + rest, calls + last
+        delta: dict[str, Any] = {"content": shown} if shown else {}
+        if calls:
+            delta["tool_calls"] = [{"index": done + i, **call} for i, call in enumerate(calls)]
+        return delta
 
 
 def usage(choices: list[Completion]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from workers.protocol.sampling_params import MAX_TOP_LOGPROBS
 
@@ -19,14 +19,14 @@ Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 # OpenAI request fields not implemented (yet): null is accepted (some clients send every field), any other
 # value is a 400 naming the field.
-UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-               "suffix", "metadata", "store", "service_tier", "modalities", "audio", "prediction",
-               "reasoning_effort", "web_search_options")
+UNSUPPORTED = ("functions", "function_call", "suffix", "metadata", "store", "service_tier", "modalities",
+               "audio", "prediction", "reasoning_effort", "web_search_options")
 # What Tandem accepts beyond OpenAI's API (vLLM's names and meanings).
 VENDOR_FIELDS = ("top_k", "min_p", "ignore_eos", "cache_salt", "stop_token_ids", "skip_special_tokens",
                  "repetition_penalty", "min_tokens")
 STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_CHOICES = 16  # n: sequences a request may ask for (each one decodes on the same worker)
+MAX_TOOLS = 128  # OpenAI's limit on functions a request may offer
 
 
 class StreamOptions(BaseModel):
@@ -40,11 +40,47 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """A call the assistant made, as a client sends it back in the conversation."""
+
+    model_config = STRICT
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str  # a JSON object, as text
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"arguments must be a JSON object as text: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError("arguments must be a JSON object as text")
+        return arguments
+
+
+class ToolCall(BaseModel):
+    model_config = STRICT
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -76,9 +112,48 @@ class JsonSchemaFormat(BaseModel):
     json_schema: JsonSchema
 
 
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the schema is always enforced; accepted as OpenAI's clients send it
+
+
+class ToolDefinition(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionName
+
+
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them (content parts joined)."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """Messages as chat templates take them: content parts joined, a call's arguments as an object (as
+    templates write them with ``tojson``), the other fields only where given."""
+    out = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type,
+                 "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                for c in m.tool_calls]
+        out.append(message)
+    return out
 
 
 class _Common(BaseModel):
@@ -111,9 +186,6 @@ class _Common(BaseModel):
                                Field(discriminator="type")] | None = None
 
     # UNSUPPORTED, each declared so that a value other than null is refused by its own name.
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     suffix: Any = None
@@ -166,6 +238,22 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among tools")
+        if self.parallel_tool_calls is not None and not names:
+            raise ValueError("parallel_tool_calls needs tools")
+        return self
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return message_dicts(self.messages)

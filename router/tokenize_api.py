@@ -1,6 +1,6 @@
 """``POST /tokenize``, ``POST /detokenize`` and ``GET /version``, in vLLM's shapes.
 
-    {"model", "prompt"} or {"model", "messages"}  ->  {"tokens", "count", "max_model_len"}
+    {"model", "prompt"} or {"model", "messages"[, "tools"]}  ->  {"tokens", "count", "max_model_len"}
     {"model", "tokens"}                           ->  {"prompt"}
 
 A prompt is tokenized as ``/v1/completions`` does it, messages as ``/v1/chat/completions`` does (the
@@ -15,8 +15,9 @@ from typing import Annotated
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
-from router.schemas import STRICT, ChatMessage, message_dicts
+from router.schemas import MAX_TOOLS, STRICT, ChatMessage, ToolDefinition, message_dicts
 from router.state import RouterState
+from router.tool_calls import template_tools
 from workers.protocol.errors import InvalidRequestError
 
 tokenize_api = APIRouter()
@@ -29,6 +30,7 @@ class TokenizeRequest(BaseModel):
     model: str
     prompt: Annotated[str, Field(max_length=_MAX_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None  # with messages
 
 
 class DetokenizeRequest(BaseModel):
@@ -48,8 +50,11 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, object]
     state = _state(request, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages")
+    if body.tools is not None and body.messages is None:
+        raise InvalidRequestError("tools go with messages")
     if body.messages is not None:
-        tokens = state.tokenizer.apply_chat_template(message_dicts(body.messages))
+        tools = template_tools(body.tools, state.tokenizer)
+        tokens = state.tokenizer.apply_chat_template(message_dicts(body.messages), tools)
     else:
         tokens = state.tokenizer.encode(body.prompt or "")
     return {"tokens": tokens, "count": len(tokens), "max_model_len": state.cluster_shape().max_model_len}

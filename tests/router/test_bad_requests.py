@@ -67,7 +67,8 @@ BAD = [
     ("cache_salt empty", "POST", TEXT, text(cache_salt=""), 400),
     ("an unknown field", "POST", CHAT, chat(length_penalty=1.1), 400),
     ("an unknown field in a message", "POST", CHAT, chat(messages=[{"role": "user", "content": "hi", "x": 1}]), 400),
-    ("tools (not built yet)", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    ("tools, to a model whose template has none", "POST", CHAT,
+     chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
     ("response_format of an unknown type", "POST", CHAT, chat(response_format={"type": "yaml"}), 400),
     ("json_schema without its schema's name", "POST", CHAT,
      chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}), 400),
@@ -99,12 +100,12 @@ def test_bad_request_is_a_4xx_with_a_message(local_cluster, name, method, path, 
 
 @pytest.mark.parametrize(("fields", "param", "message"), [
     ({"length_penalty": 1.1}, "length_penalty", "Unrecognized request argument supplied: length_penalty"),
-    ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]}, "messages.0.tool_call_id",
-     "Unrecognized request argument supplied: messages.0.tool_call_id"),
+    ({"messages": [{"role": "user", "content": "hi", "weight": 1}]}, "messages.0.weight",
+     "Unrecognized request argument supplied: messages.0.weight"),
     ({"stream_options": {"include_usage": True, "continuous": True}}, "stream_options.continuous",
      "Unrecognized request argument supplied: stream_options.continuous"),
-    ({"tools": []}, "tools", "tools: tools is not supported by this server; leave it out or null"),
-    ({"tool_choice": "auto"}, "tool_choice", "tool_choice: tool_choice is not supported by this server"),
+    ({"functions": []}, "functions", "functions: functions is not supported by this server; leave it out or null"),
+    ({"store": True}, "store", "store: store is not supported by this server"),
 ])
 def test_a_field_not_implemented_is_refused_by_name(local_cluster, fields, param, message):
     router, _, _ = local_cluster
@@ -123,7 +124,7 @@ def test_the_readme_lists_every_vendor_field() -> None:
 def test_null_for_a_field_not_implemented_is_accepted(local_cluster):
     """Some clients send every field of OpenAI's API, null where unset: that asks for nothing."""
     router, _, _ = local_cluster
-    response = httpx.post(router.url + CHAT, content=chat(tools=None, tool_choice=None, store=None),
+    response = httpx.post(router.url + CHAT, content=chat(functions=None, function_call=None, store=None),
                           timeout=60, headers={"Content-Type": "application/json"})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"]

@@ -168,8 +168,8 @@ class Engine:
             raise InvalidRequestError(f"request id {rid!r} is already running")
         request = Request(rid, token_ids, params, cache_salt=cache_salt,
                           hold_blocks_on_finish=prefill_only, remote_prefill=remote_prefill)
-        if params.json_schema is not None:  # a prefill worker's first token obeys it too
-            request.grammar = self.structured_outputs.matcher(params.json_schema)
+        if params.has_grammar:  # a prefill worker's first token obeys it too
+            request.grammar = self.structured_outputs.matcher(params)
         self._detokenizers[rid] = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
         self.scheduler.add_request(request)

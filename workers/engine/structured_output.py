@@ -1,8 +1,8 @@
-"""Structured outputs: a request's JSON schema enforced token by token with masks from xgrammar (the
-grammar engine vLLM and SGLang use).
+"""Structured outputs: a request's JSON schema (or its tool calls' structural tag) enforced token by token
+with masks from xgrammar (the grammar engine vLLM and SGLang use).
 
     outputs = StructuredOutputs(tokenizer.hf, vocab_size)     # per engine; xgrammar loads on first use
-    request.grammar = outputs.matcher(schema_json)            # per request; a bad schema is a 400
+    request.grammar = outputs.matcher(sampling_params)        # per request; a bad schema is a 400
     logits = apply_grammar_masks(logits, [r.grammar ...])     # before sampling: disallowed tokens -inf
     accept(request.grammar, token_id)                         # after: the matcher moves on
 
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from workers.protocol.errors import InvalidRequestError
+from workers.protocol.sampling_params import SamplingParams
 
 
 class StructuredOutputs:
@@ -33,14 +34,21 @@ class StructuredOutputs:
         info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size)
         return xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
 
-    def matcher(self, json_schema: str) -> Any:
-        """A fresh xgrammar ``GrammarMatcher`` for one request's schema (JSON text)."""
+    def matcher(self, params: SamplingParams) -> Any | None:
+        """A fresh xgrammar ``GrammarMatcher`` for one request's schema or structural tag; None for neither."""
         import xgrammar as xgr
 
         try:
-            compiled = self._compiler.compile_json_schema(json_schema, any_whitespace=False, strict_mode=True)
+            if params.json_schema is not None:
+                compiled = self._compiler.compile_json_schema(params.json_schema, any_whitespace=False,
+                                                              strict_mode=True)
+            elif params.structural_tag is not None:
+                compiled = self._compiler.compile_structural_tag(params.structural_tag)
+            else:
+                return None
         except Exception as e:  # noqa: BLE001 - xgrammar raises several kinds for a schema it cannot take
-            raise InvalidRequestError(f"response_format: the schema cannot be compiled: {e}") from e
+            what = "response_format: the schema" if params.json_schema is not None else "tools: a parameters schema"
+            raise InvalidRequestError(f"{what} cannot be compiled: {e}") from e
         return xgr.GrammarMatcher(compiled)
 
 

@@ -39,11 +39,25 @@ class Tokenizer:
         """A raw prompt, with the special tokens the model's tokenizer adds by default."""
         return list(self.hf.encode(text))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Chat messages rendered with the model's template plus the generation prompt, as HF does."""
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Chat messages (and the functions the model may call, in OpenAI's tool shape) rendered with the
+        model's template plus the generation prompt, as HF does."""
         validate_messages(messages)
-        text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        text = self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                           add_generation_prompt=True)
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    @property
+    def tool_call_format(self) -> str | None:
+        """How the chat template has the model write tool calls: "hermes" (``<tool_call>{json}</tool_call>``,
+        as Qwen2 and Hermes do), or None where the template takes no tools or writes them another way."""
+        template = self.hf.chat_template
+        if isinstance(template, dict):  # named templates: the default one renders chats
+            template = template.get("default")
+        if not isinstance(template, str) or "tools" not in template:
+            return None
+        return "hermes" if "<tool_call>" in template else None
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))

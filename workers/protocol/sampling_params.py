@@ -35,6 +35,9 @@ class SamplingParams:
     # Structured output: a JSON schema (as JSON text) every output must match, enforced by token masks
     # (workers/engine/structured_output.py); OpenAI's json_object is the schema {"type": "object"}.
     json_schema: str | None = None
+    # Or an xgrammar structural tag (JSON text): free text and tagged JSON sections, as tool calls are
+    # written (router/tool_calls.py builds them).
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -42,6 +45,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.json_schema is not None or self.structural_tag is not None
 
     @property
     def adjusts_logits(self) -> bool:
@@ -85,22 +92,27 @@ class SamplingParams:
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.json_schema is not None:
-            _check_schema(self.json_schema)
-        if self.json_schema is not None and (self.ignore_eos or self.min_tokens):
+            _check_json_object(self.json_schema, "response_format: the schema")
+        if self.structural_tag is not None:
+            _check_json_object(self.structural_tag, "the structural tag")
+        if self.json_schema is not None and self.structural_tag is not None:
+            raise InvalidRequestError("response_format cannot be combined with forced or automatic tool calls")
+        if self.has_grammar and (self.ignore_eos or self.min_tokens):
             # The grammar ends on EOS; holding it back would leave no token to sample.
-            raise InvalidRequestError("response_format cannot be combined with ignore_eos or min_tokens")
+            what = "response_format" if self.json_schema is not None else "tool calls"
+            raise InvalidRequestError(f"{what} cannot be combined with ignore_eos or min_tokens")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
 
 
-def _check_schema(json_schema: str) -> None:
-    """A schema must be a JSON object (xgrammar says the rest when it compiles it)."""
+def _check_json_object(text: str, what: str) -> None:
+    """A schema or tag must be a JSON object (xgrammar says the rest when it compiles it)."""
     try:
-        schema = json.loads(json_schema)
+        value = json.loads(text)
     except (TypeError, json.JSONDecodeError) as e:
-        raise InvalidRequestError(f"response_format: the schema is not JSON: {e}") from e
-    if not isinstance(schema, dict):
-        raise InvalidRequestError("response_format: the schema must be a JSON object")
+        raise InvalidRequestError(f"{what} is not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{what} must be a JSON object")
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
