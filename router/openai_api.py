@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from router.errors import WORKER_ERROR_STATUS, APIError
-from router.responses import DONE_EVENT, Completion, error_event, response_body, usage_event
+from router.responses import DONE_EVENT, Completion, error_event, likeliest, response_body, usage_event
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sse import EventStreamResponse, until_disconnect
 from router.state import RouterState
@@ -125,16 +125,19 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
     if any(t >= state.tokenizer.vocab_size for t, _ in sampling.logit_bias):
         raise InvalidRequestError(f"logit_bias token ids must be in [0, {state.tokenizer.vocab_size})")
     request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-    choices = [Completion(kind, request_id, state.model_name, sampling.logprobs, index=i, tools=tools)
-               for i in range(body.n)]
+    num_sequences, shown_logprobs = body.num_sequences, sampling.logprobs
+    if num_sequences > body.n:  # best_of: ranked by their tokens' log probabilities, which workers send
+        sampling = replace(sampling, logprobs=True)
+    choices = [Completion(kind, request_id, state.model_name, shown_logprobs, index=i, tools=tools)
+               for i in range(num_sequences)]
     dispatcher, salt, block_size = state.dispatcher, body.cache_salt, shape.block_size
     route = dispatcher.plan(prompt_ids, salt, block_size)
     streams = [dispatcher.generate(prompt_ids, sampling, salt, block_size, route)]
     firsts, gone = await until_disconnect(request.receive, _first_chunks(streams))
-    if not gone and firsts is not None and body.n > 1:  # the prompt is cached on the decode worker now
+    if not gone and firsts is not None and num_sequences > 1:  # the prompt is cached on the decode worker now
         follow = dispatcher.follow(route, prompt_ids, block_size)
         more = [dispatcher.generate(prompt_ids, _choice_sampling(sampling, i), salt, block_size, follow)
-                for i in range(1, body.n)]
+                for i in range(1, num_sequences)]
         streams += more
         try:
             rest, gone = await until_disconnect(request.receive, _first_chunks(more))
@@ -156,7 +159,7 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
         return Response(status_code=499)
     state.metrics.output_tokens.inc(sum(c.num_output_tokens for c in choices))
     state.metrics.e2e.observe(time.perf_counter() - arrival)
-    return JSONResponse(response_body(choices, state.tokenizer))
+    return JSONResponse(response_body(likeliest(choices, body.n), state.tokenizer, choices))
 
 
 def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

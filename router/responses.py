@@ -161,11 +161,25 @@ def usage(choices: list[Completion]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
 
 
-def response_body(choices: list[Completion], tokenizer: Tokenizer) -> dict[str, Any]:
-    """The whole, non-streamed response."""
+def likeliest(choices: list[Completion], n: int) -> list[Completion]:
+    """best_of: the ``n`` sequences with the highest log probability per token (OpenAI's definition: a mean,
+    so a longer sequence is not ranked down for its length), in that order and numbered again from 0; all
+    of them where there are only ``n``."""
+    if len(choices) == n:
+        return choices
+    ranked = sorted(choices, key=lambda c: sum(c.logprobs) / max(1, len(c.logprobs)), reverse=True)[:n]
+    for index, choice in enumerate(ranked):
+        choice.index = index
+    return ranked
+
+
+def response_body(choices: list[Completion], tokenizer: Tokenizer,
+                  generated: list[Completion] | None = None) -> dict[str, Any]:
+    """The whole, non-streamed response: ``choices``, and the usage of every sequence ``generated``
+    (best_of's too: they were all decoded)."""
     first = choices[0]
     return {"id": first.request_id, "object": first.object, "created": first.created, "model": first.model,
-            "choices": [c.choice(tokenizer) for c in choices], "usage": usage(choices)}
+            "choices": [c.choice(tokenizer) for c in choices], "usage": usage(generated or choices)}
 
 
 def usage_event(choices: list[Completion]) -> str:

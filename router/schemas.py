@@ -1,8 +1,8 @@
 """OpenAI request bodies (pydantic, strict: a string where a number belongs is a 400, not a guess).
 
 Nothing is silently ignored. A field Tandem does not know is a 400 naming it, as OpenAI answers an
-unrecognized argument. OpenAI fields Tandem does not implement yet (``UNSUPPORTED``, ``echo``,
-``best_of``) are refused with a message naming them when set to anything but null or their default.
+unrecognized argument. OpenAI fields Tandem does not implement yet (``UNSUPPORTED``, ``echo``) are
+refused with a message naming them when set to anything but null or their default.
 Tandem's own fields (``VENDOR_FIELDS``) are listed in the README.
 """
 
@@ -262,13 +262,30 @@ class ChatCompletionRequest(_Common):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def num_sequences(self) -> int:
+        return self.n
+
 
 class CompletionRequest(_Common):
     prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | list[str] | list[list[int]]
     # The sampled token's log probability and this many likeliest alternatives' (0: none).
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: Literal[False] = False
-    best_of: Literal[1] | None = None
+    # Sequences drawn; the n with the highest log probability per token are returned.
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > 1 and self.stream:
+            raise ValueError("best_of cannot be streamed: the best sequences are known only at the end")
+        return self
+
+    @property
+    def num_sequences(self) -> int:
+        return self.best_of if self.best_of is not None else self.n
 
     @field_validator("prompt")
     @classmethod

@@ -212,6 +212,23 @@ def test_n_choices_share_the_prompt_and_seed_each_choice(client, local_cluster, 
     wait_idle(prefill, decode)
 
 
+def test_best_of_returns_the_likeliest_sequences_per_token(client, make_engine):
+    engine = make_engine()
+    prompt = "Name a colour and say why you like it."
+    drawn = [engine.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, seed=5 + i, logprobs=True))[0]
+             for i in range(4)]
+    mean = [sum(out.logprobs) / len(out.logprobs) for out in drawn]
+    want = sorted(range(4), key=lambda i: mean[i], reverse=True)[:2]
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, seed=5, n=2,
+                                      best_of=4)
+    assert [c.index for c in reply.choices] == [0, 1] and all(c.logprobs is None for c in reply.choices)
+    assert [c.text for c in reply.choices] == [drawn[i].text for i in want]
+    assert reply.usage.completion_tokens == sum(len(out.token_ids) for out in drawn)  # all four were decoded
+    with_logprobs = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, seed=5,
+                                              best_of=4, logprobs=0)
+    assert with_logprobs.choices[0].logprobs.token_logprobs == pytest.approx(drawn[want[0]].logprobs, abs=1e-4)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_outputs_validate(client, stream):
     """Prompts long enough to be prefilled on p0: the first token, sampled there, obeys the schema too."""
