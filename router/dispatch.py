@@ -71,7 +71,9 @@ class Dispatcher:
                           max(load.waiting_prefill_tokens, self._inflight.prefill_tokens[w]),
                           load.kv_blocks_total - used, self.index.num_exact_blocks(w))
 
-    def route(self, prompt_token_ids: list[int], block_hashes: list[int], block_size: int) -> Route:
+    def route(self, prompt_token_ids: list[int], block_hashes: list[int], block_size: int,
+              local_prefill: bool = False) -> Route:
+        """``local_prefill``: the decode worker computes the prompt (prompt logprobs need its logits there)."""
         decoders = [self._view(e) for e in self.directory.live("decode")]
         prefillers = [self._view(e) for e in self.directory.live("prefill")]
         if not decoders:
@@ -82,7 +84,7 @@ class Dispatcher:
         decode = choose_decode_worker(decoders, needed, tie_key)
         overlaps = self.index.match(block_hashes) if self.policy.policy == "prefix_aware" else {}
         decode_overlap = overlaps.get(decode, 0)
-        if not prefillers or (self.policy.policy == "prefix_aware" and should_prefill_locally(
+        if not prefillers or local_prefill or (self.policy.policy == "prefix_aware" and should_prefill_locally(
                 len(prompt_token_ids), decode_overlap * block_size, self.policy)):
             return Route(decode, None, decode_overlap, needed)
         if self.policy.policy == "round_robin":
@@ -93,10 +95,11 @@ class Dispatcher:
             prefill = choose_prefill_worker(prefillers, overlaps, num_blocks, block_size, self.policy, tie_key)
         return Route(decode, prefill, overlaps.get(prefill, 0), needed)
 
-    def plan(self, prompt_token_ids: list[int], cache_salt: str | None, block_size: int) -> Route:
+    def plan(self, prompt_token_ids: list[int], cache_salt: str | None, block_size: int,
+             local_prefill: bool = False) -> Route:
         """Where one prompt goes, remembered in the index as approximate entries until the workers' events."""
         block_hashes = hash_prompt_blocks(prompt_token_ids, block_size, cache_salt)
-        route = self.route(prompt_token_ids, block_hashes, block_size)
+        route = self.route(prompt_token_ids, block_hashes, block_size, local_prefill)
         self._remember(route, block_hashes)
         return route
 

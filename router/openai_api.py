@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from router.errors import WORKER_ERROR_STATUS, APIError
-from router.responses import DONE_EVENT, Completion, error_event, likeliest, response_body, usage_event
+from router.responses import DONE_EVENT, Completion, Echo, error_event, likeliest, response_body, usage_event
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sse import EventStreamResponse, until_disconnect
 from router.state import RouterState
@@ -74,10 +74,12 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens
     if requested is None:  # as vLLM: until EOS or the model's length (KV grows as tokens come)
         requested = max(1, max_model_len - num_prompt_tokens)  # a full prompt fails the length check
     check_fits(num_prompt_tokens, requested, max_model_len)
+    prompt_logprobs = None
     if isinstance(body, ChatCompletionRequest):
         logprobs, top = body.logprobs, body.top_logprobs or 0
     else:
         logprobs, top = body.logprobs is not None, body.logprobs or 0
+        prompt_logprobs = body.logprobs if body.echo else None
     return SamplingParams(max_tokens=requested, temperature=body.temperature, top_p=body.top_p,
                           top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_strings(),
                           stop_token_ids=list(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
@@ -85,7 +87,8 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, num_prompt_tokens
                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                           repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_pairs(),
                           min_tokens=body.min_tokens, json_schema=body.json_schema(),
-                          structural_tag=tools.structural_tag if tools is not None else None)
+                          structural_tag=tools.structural_tag if tools is not None else None,
+                          prompt_logprobs=prompt_logprobs)
 
 
 async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> Response:
@@ -128,10 +131,11 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
     num_sequences, shown_logprobs = body.num_sequences, sampling.logprobs
     if num_sequences > body.n:  # best_of: ranked by their tokens' log probabilities, which workers send
         sampling = replace(sampling, logprobs=True)
-    choices = [Completion(kind, request_id, state.model_name, shown_logprobs, index=i, tools=tools)
+    echo = _echo(body, prompt_ids, state) if isinstance(body, CompletionRequest) else None
+    choices = [Completion(kind, request_id, state.model_name, shown_logprobs, index=i, tools=tools, echo=echo)
                for i in range(num_sequences)]
     dispatcher, salt, block_size = state.dispatcher, body.cache_salt, shape.block_size
-    route = dispatcher.plan(prompt_ids, salt, block_size)
+    route = dispatcher.plan(prompt_ids, salt, block_size, local_prefill=sampling.prompt_logprobs is not None)
     streams = [dispatcher.generate(prompt_ids, sampling, salt, block_size, route)]
     firsts, gone = await until_disconnect(request.receive, _first_chunks(streams))
     if not gone and firsts is not None and num_sequences > 1:  # the prompt is cached on the decode worker now
@@ -160,6 +164,14 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
     state.metrics.output_tokens.inc(sum(c.num_output_tokens for c in choices))
     state.metrics.e2e.observe(time.perf_counter() - arrival)
     return JSONResponse(response_body(likeliest(choices, body.n), state.tokenizer, choices))
+
+
+def _echo(body: CompletionRequest, prompt_ids: list[int], state: RouterState) -> Echo | None:
+    if not body.echo:
+        return None
+    prompt = body.prompt
+    text = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    return Echo(text, prompt_ids, body.prompt_only)
 
 
 def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

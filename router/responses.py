@@ -17,6 +17,15 @@ from workers.model.tokenizer import Tokenizer
 from workers.protocol.messages import TokenChunk
 
 
+@dataclass(frozen=True)
+class Echo:
+    """``echo`` on a completion: the prompt comes first in the text (and, with logprobs, in the logprobs)."""
+
+    text: str
+    token_ids: list[int]
+    prompt_only: bool  # max_tokens 0: the prompt alone (the worker's one token is not shown)
+
+
 @dataclass
 class Completion:
     """What one choice of a request produced so far; fed chunk by chunk."""
@@ -37,9 +46,19 @@ class Completion:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     tools: ToolPlan | None = None  # calls are read out of the text (chat with tools)
+    echo: Echo | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     _stream_parser: ToolCallParser = field(default_factory=ToolCallParser, repr=False)
+    _echoed: bool = False  # streamed: the prompt went out with the first chunk
 
     def add(self, chunk: TokenChunk) -> None:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        if self.echo is not None and self.echo.prompt_only:
+            self.num_prompt_tokens = chunk.num_prompt_tokens or self.num_prompt_tokens
+            self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+            self.finish_reason = "length"
+            return
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
@@ -57,13 +76,17 @@ class Completion:
 
 
     def logprobs_of(self, tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float],
-                    tops: list[list[tuple[int, float]]], text_offset: int) -> dict[str, Any] | None:
+                    tops: list[list[tuple[int, float]]], text_offset: int,
+                    echoed: bool = False) -> dict[str, Any] | None:
+        """``echoed``: the prompt's tokens come first (the first with no log probability: nothing precedes it)."""
         if not self.want_logprobs:
             return None
 
         def text(token_id: int) -> str:
             return tokenizer.decode([token_id], skip_special_tokens=False)
 
+        if echoed:
+            return self._echoed_logprobs(tokenizer, token_ids, logprobs, tops)
         tokens = [text(t) for t in token_ids]
         alternatives = [[(text(t), lp) for t, lp in top] for top in tops] if tops else [[] for _ in tokens]
         if self.kind == "chat":
@@ -84,9 +107,26 @@ class Completion:
             return "tool_calls"
         return self.finish_reason
 
+    def _echoed_logprobs(self, tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float],
+                         tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
+        """Completion logprobs with the prompt's first: [None, prompt token 1's, ...] then the output's."""
+        assert self.echo is not None
+        prompt = self.prompt_logprobs or []
+        texts = [tokenizer.decode([t], skip_special_tokens=False) for t in self.echo.token_ids + token_ids]
+        values: list[float | None] = [None] + [lp for lp, _ in prompt] + list(logprobs)
+        alternatives: list[dict[str, float] | None] = [None] + [
+            {tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in top}
+            for top in [top for _, top in prompt] + list(tops or [[] for _ in token_ids])]
+        offsets, pos = [], 0
+        for token in texts:
+            offsets.append(pos)
+            pos += len(token)
+        return {"tokens": texts, "token_logprobs": values, "top_logprobs": alternatives, "text_offset": offsets}
+
     def choice(self, tokenizer: Tokenizer) -> dict[str, Any]:
         """This choice, whole (not streamed)."""
-        logprobs = self.logprobs_of(tokenizer, self.token_ids, self.logprobs, self.top_logprobs, 0)
+        echoed = self.echo is not None
+        logprobs = self.logprobs_of(tokenizer, self.token_ids, self.logprobs, self.top_logprobs, 0, echoed)
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": self.text}
             calls: list[dict[str, Any]] = []
@@ -100,7 +140,8 @@ class Completion:
                                "tool_calls": calls}
             return {"index": self.index, "message": message, "logprobs": logprobs,
                     "finish_reason": self._finish_reason(bool(calls)), "stop_reason": self.stop_reason}
-        return {"index": self.index, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish_reason,
+        text = self.echo.text + self.text if self.echo is not None else self.text
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason,
                 "stop_reason": self.stop_reason}
 
     # ---- streaming ----
@@ -121,6 +162,8 @@ class Completion:
         """The SSE event for one worker chunk (after ``add``), or None when it carries nothing to say."""
         finish = self.finish_reason if chunk.finished else None
         stop_reason = self.stop_reason if chunk.finished else None
+        if self.echo is not None:
+            return self._echo_delta_event(tokenizer, chunk, finish, stop_reason)
         if not chunk.text and finish is None and not (self.want_logprobs and chunk.token_ids):
             return None
         logprobs = self.logprobs_of(tokenizer, chunk.token_ids, chunk.logprobs, chunk.top_logprobs,
@@ -137,6 +180,23 @@ class Completion:
         return self.event([{"index": self.index, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish,
                              "stop_reason": stop_reason}])
 
+
+    def _echo_delta_event(self, tokenizer: Tokenizer, chunk: TokenChunk, finish: str | None,
+                          stop_reason: str | int | None) -> str | None:
+        """A completion stream with ``echo``: the prompt (and its logprobs) go out with the first chunk."""
+        assert self.echo is not None
+        if self.echo.prompt_only:
+            ids, text, values, tops = [], "", [], []
+        else:
+            ids, text, values, tops = chunk.token_ids, chunk.text, chunk.logprobs, chunk.top_logprobs
+        first = not self._echoed
+        self._echoed = True
+        if not first and not text and finish is None and not (self.want_logprobs and ids):
+            return None
+        offset = len(self.echo.text) + len(self.text) - len(text)
+        logprobs = self.logprobs_of(tokenizer, ids, values, tops, offset, echoed=first)
+        return self.event([{"index": self.index, "text": self.echo.text + text if first else text,
+                            "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}])
 
     def _tool_delta(self, chunk: TokenChunk) -> dict[str, Any]:
         """A chunk's text as the stream shows it: content, and each call whole once it has closed."""

@@ -1,8 +1,8 @@
 """OpenAI request bodies (pydantic, strict: a string where a number belongs is a 400, not a guess).
 
 Nothing is silently ignored. A field Tandem does not know is a 400 naming it, as OpenAI answers an
-unrecognized argument. OpenAI fields Tandem does not implement yet (``UNSUPPORTED``, ``echo``) are
-refused with a message naming them when set to anything but null or their default.
+unrecognized argument. OpenAI fields Tandem does not implement (``UNSUPPORTED``) are refused with a
+message naming them when set to anything but null.
 Tandem's own fields (``VENDOR_FIELDS``) are listed in the README.
 """
 
@@ -271,17 +271,26 @@ class CompletionRequest(_Common):
     prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | list[str] | list[list[int]]
     # The sampled token's log probability and this many likeliest alternatives' (0: none).
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: Literal[False] = False
+    # The prompt first in the text (and, with logprobs, each prompt token's log probability first).
+    echo: bool = False
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 (with echo): the prompt alone
     # Sequences drawn; the n with the highest log probability per token are returned.
     best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
 
     @model_validator(mode="after")
-    def _best_of_covers_n(self) -> CompletionRequest:
+    def _consistent(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
         if self.best_of is not None and self.best_of > 1 and self.stream:
             raise ValueError("best_of cannot be streamed: the best sequences are known only at the end")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 asks for nothing but the prompt: only with echo")
         return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) and nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def num_sequences(self) -> int:
@@ -300,4 +309,4 @@ class CompletionRequest(_Common):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.prompt_only else self.max_tokens  # one token the worker makes, not shown

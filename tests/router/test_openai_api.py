@@ -230,6 +230,46 @@ def test_best_of_returns_the_likeliest_sequences_per_token(client, make_engine):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_echo_gives_the_prompt_and_its_logprobs_first(client, local_cluster, make_engine, stream):
+    """lm-eval's loglikelihood request (echo, max_tokens 0, logprobs) and echo before generated text."""
+    _, prefill, decode = local_cluster
+    engine = make_engine()
+    prompt = "The quick brown fox jumps over the lazy dog, and then it runs into the woods to rest."
+    ids = engine.tokenize(prompt)
+    want = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=2,
+                                                    prompt_logprobs=2))[0]
+    assert want.prompt_logprobs is not None
+
+    def ask(max_tokens: int):  # type: ignore[no-untyped-def]
+        reply = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=max_tokens, logprobs=2,
+                                          temperature=0, stream=stream)
+        if not stream:
+            return reply.choices[0].text, reply.choices[0].logprobs, reply.choices[0].finish_reason
+        text, logprobs, finish = "", {"tokens": [], "token_logprobs": [], "top_logprobs": []}, None
+        for event in reply:
+            choice = event.choices[0]
+            text += choice.text
+            finish = choice.finish_reason or finish
+            for key in logprobs:
+                logprobs[key] += getattr(choice.logprobs, key) if choice.logprobs else []
+        return text, type("Logprobs", (), logprobs), finish
+
+    text, logprobs, finish = ask(0)
+    assert text == prompt and finish == "length"
+    assert logprobs.tokens == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx([lp for lp, _ in want.prompt_logprobs], abs=1e-4)
+    assert [len(top) for top in logprobs.top_logprobs[1:]] == [2] * (len(ids) - 1)
+    text, logprobs, finish = ask(6)
+    assert text == prompt + want.text and len(logprobs.tokens) == len(ids) + 6
+    assert logprobs.token_logprobs[len(ids):] == pytest.approx(want.logprobs, abs=1e-4)
+    reply = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=3, temperature=0)
+    assert reply.choices[0].text.startswith(prompt) and reply.choices[0].logprobs is None
+    assert reply.usage.completion_tokens == 3
+    wait_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_outputs_validate(client, stream):
     """Prompts long enough to be prefilled on p0: the first token, sampled there, obeys the schema too."""
     import json

@@ -52,6 +52,9 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # On the first output of a request that asked for them: prompt token i + 1's log probability and the
+    # likeliest alternatives there.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class CompletionResult:
     finish_reason: str | None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class Engine:
@@ -154,6 +158,9 @@ class Engine:
         ``commit_remote_kv``.
         """
         params = sampling_params or SamplingParams()
+        if params.prompt_logprobs is not None and (prefill_only or remote_prefill):
+            raise InvalidRequestError("prompt_logprobs are computed where the request decodes, with its prompt: "
+                                      "not on a prefill worker")
         if prefill_only:  # one token, whatever the stop rules: the decode worker applies them
             # (min_tokens still holds EOS and the stop ids back from that token, as the sampler reads them)
             params = replace(params, max_tokens=1, stop=[], min_tokens=min(params.min_tokens, 1))
@@ -282,6 +289,8 @@ class Engine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             new_top_logprobs=request.output_top_logprobs[-1:] if request.sampling_params.top_logprobs else [],
+            prompt_logprobs=(list(request.prompt_logprobs) if request.sampling_params.prompt_logprobs is not None
+                             and request.num_output_tokens == 1 else None),
         )
 
     # ---- offline convenience ----
@@ -304,6 +313,8 @@ class Engine:
                 res.token_ids.extend(out.new_token_ids)
                 res.logprobs.extend(out.new_logprobs)
                 res.top_logprobs.extend(out.new_top_logprobs)
+                if out.prompt_logprobs is not None:
+                    res.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     res.finish_reason = out.finish_reason
         return [results[rid] for rid in ids]

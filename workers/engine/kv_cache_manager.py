@@ -33,7 +33,7 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the step can produce logits.
         """
-        if not self.pool.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching or request.needs_prompt_logits:
             return [], 0
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs

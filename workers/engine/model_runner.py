@@ -47,6 +47,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
+        prompt_rows: list[int] = []  # after the sampled rows: prompt positions whose logits give logprobs
+        prompt_spans: list[tuple[Request, int, int]] = []  # (request, first prompt position, count)
         for chunk in rows:
             req, n, table = chunk.request, chunk.num_new_tokens, chunk.block_ids
             start = req.num_computed_tokens
@@ -57,12 +59,21 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             if chunk.samples:
                 logit_rows.append(len(input_ids) - 1)
+            if req.needs_prompt_logits:  # position p's logits give prompt token p + 1's log probability
+                lo, hi = max(start, len(req.prompt_logprobs)), min(start + n, req.num_prompt_tokens - 1)
+                if hi > lo:
+                    prompt_spans.append((req, lo, hi - lo))
+                    first_row = len(input_ids) - n + lo - start
+                    prompt_rows.extend(range(first_row, first_row + hi - lo))
         attn = self._attention_metadata(rows, slots)
         dev = self.device
         logits = self.model.forward(
             torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-            self.kv_cache, attn, torch.tensor(logit_rows, device=dev, dtype=torch.long),
+            self.kv_cache, attn, torch.tensor(logit_rows + prompt_rows, device=dev, dtype=torch.long),
         )
+        if prompt_spans:
+            _add_prompt_logprobs(logits[len(logit_rows):], prompt_spans)
+            logits = logits[: len(logit_rows)]
         sampling = [c.request for c in rows if c.samples]
         params = [r.sampling_params for r in sampling]
         token_ids, logprobs = sample(
@@ -119,6 +130,22 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator (a preempted one keeps it: its stream continues)."""
         self._generators.pop(request_id, None)
+
+
+def _add_prompt_logprobs(logits: torch.Tensor, spans: Sequence[tuple[Request, int, int]]) -> None:
+    """Each span's prompt tokens' log probabilities (the model's own log-softmax) and alternatives."""
+    row = 0
+    for request, first, count in spans:
+        k = request.sampling_params.prompt_logprobs or 0
+        log_probs = torch.log_softmax(logits[row : row + count], dim=-1)
+        targets = torch.tensor(request.prompt_token_ids[first + 1 : first + 1 + count], device=logits.device)
+        chosen = log_probs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
+        if k:
+            values, ids = log_probs.topk(k, dim=-1)
+            tops = [list(zip(t, v, strict=True)) for t, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        request.prompt_logprobs.extend(zip(chosen, tops, strict=True))
+        row += count
 
 
 def _pad_tables(tables: Sequence[list[int]], device: torch.device) -> torch.Tensor:

@@ -45,6 +45,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With sampling_params.prompt_logprobs: prompt token i + 1's log probability and the likeliest
+    # alternatives there, filled chunk by chunk as the prompt is computed (a recompute adds nothing).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # Tokens whose KV is stored in this engine's cache.
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache at (first) admission; a metric. -1: never admitted yet.
@@ -75,6 +78,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: the prompt runs whole, with logits everywhere."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def finish_reason(self) -> str | None:

@@ -116,6 +116,8 @@ class TokenChunk:
     error: str | None = None
     error_kind: str | None = None
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob) pairs
+    # First chunk, where asked for: each prompt token's (after the first) log probability and alternatives.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass

@@ -25,6 +25,10 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: this many likeliest alternatives of each token, up to MAX_TOP_LOGPROBS
     skip_special_tokens: bool = True
+    # Each prompt token's log probability given the tokens before it (the first has none), with this many
+    # likeliest alternatives; None: not computed. Computed where the request decodes, over the whole prompt
+    # (its prefix-cache hits are not used: a cached block has no logits).
+    prompt_logprobs: int | None = None
     # Logit adjustments, with vLLM's definitions (workers/engine/penalties.py): presence and frequency
     # penalties count output tokens, the repetition penalty prompt and output tokens alike.
     presence_penalty: float = 0.0
@@ -79,6 +83,11 @@ class SamplingParams:
                 or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
                                       f"got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"prompt_logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                      f"got {self.prompt_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -71,7 +71,9 @@ class DecodeService(EngineService):
         if refusal is not None:
             yield self._error_chunk(rid, refusal)
             return
-        remote = request.prefill_worker is not None and self.prefill_client is not None
+        # Prompt logprobs come from the prompt's logits, which only the engine computing it has: here.
+        remote = (request.prefill_worker is not None and self.prefill_client is not None
+                  and request.sampling.prompt_logprobs is None)
         stream = _Stream(asyncio.get_running_loop())
         if remote:
             stream.reserved = stream.loop.create_future()
@@ -171,7 +173,7 @@ class DecodeService(EngineService):
         return TokenChunk(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
                           out.finish_reason, out.stop_reason, out.num_prompt_tokens, out.num_output_tokens,
                           max(out.num_cached_tokens, stream.prefill_cached_tokens),
-                          top_logprobs=out.new_top_logprobs)
+                          top_logprobs=out.new_top_logprobs, prompt_logprobs=out.prompt_logprobs)
 
     def _fail(self, stream: _Stream, request_id: str, error: BaseException) -> TokenChunk:
         """The stream's last chunk, saying why it ends (what it held is freed already)."""
