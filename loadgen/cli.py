@@ -159,7 +159,9 @@ def sweep(args: argparse.Namespace, cfg: ClientConfig, spec: WorkloadSpec, text:
     points: list[dict[str, Any]] = []
 
     def measure(rate: float) -> dict[str, Any]:
-        summary = run_once(args, cfg, replace(spec, rate=rate), text, out / f"rate_{rate:g}")
+        # Each point its own seed: the same prompts again would be prefix-cache hits, not new requests.
+        point_spec = replace(spec, rate=rate, seed=spec.seed + len(points))
+        summary = run_once(args, cfg, point_spec, text, out / f"rate_{rate:g}")
         point = {"rate": rate, "goodput_rps": summary["goodput_rps"], "slo_attainment": summary["slo_attainment"],
                  "ttft_p90_ms": summary["ttft_ms"]["p90"], "tpot_p90_ms": summary["tpot_ms"]["p90"]}
         points.append(point)

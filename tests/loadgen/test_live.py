@@ -78,6 +78,7 @@ def test_sweep_and_compare(server_url, tmp_path):
                  "--slo-ttft-ms", "1000", *COMMON]) == 0
     doc = load(out)
     assert [p["rate"] for p in doc["sweep"]] == [10, 40] and doc["capacity_rps"] == 40
+    assert [load(out / f"rate_{r}")["config"]["seed"] for r in (10, 40)] == [3, 4]  # new prompts at each point
     assert (out / "goodput_vs_rate.png").stat().st_size > 500
     assert main(["compare", str(out / "rate_10"), str(out / "rate_40"), str(out), "--out", str(tmp_path / "cmp")]) == 0
     assert {p.name for p in (tmp_path / "cmp").iterdir()} == {"ttft_cdf.png", "tpot_cdf.png", "goodput_vs_rate.png"}
