@@ -149,18 +149,23 @@ class Engine:
 
     def add_request(self, prompt: PromptInput, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    prefill_only: bool = False, remote_prefill: bool = False) -> str:
+                    prefill_only: bool = False, remote_prefill: bool = False,
+                    resume_token_ids: Sequence[int] = ()) -> str:
         """Queue a request; returns its id.
 
         ``prefill_only`` (prefill worker): compute the prompt, sample the first token, finish, and hold
         the blocks until ``release_held`` (their KV is being sent). ``remote_prefill`` (decode worker):
         reserve blocks for the prompt (a step reports them in ``StepResult.reservations``), then wait for
-        ``commit_remote_kv``.
+        ``commit_remote_kv``. ``resume_token_ids``: output another worker already produced (it died
+        mid-stream); the request goes on after them as a preempted one does, its text, stop strings,
+        penalties, grammar and seeded random stream where they were, and its outputs give only new tokens.
         """
         params = sampling_params or SamplingParams()
         if params.prompt_logprobs is not None and (prefill_only or remote_prefill):
             raise InvalidRequestError("prompt_logprobs are computed where the request decodes, with its prompt: "
                                       "not on a prefill worker")
+        if resume_token_ids and (prefill_only or remote_prefill or len(resume_token_ids) >= params.max_tokens):
+            raise InvalidRequestError("a resumed request decodes here, with fewer tokens done than max_tokens")
         if prefill_only:  # one token, whatever the stop rules: the decode worker applies them
             # (min_tokens still holds EOS and the stop ids back from that token, as the sampler reads them)
             params = replace(params, max_tokens=1, stop=[], min_tokens=min(params.min_tokens, 1))
@@ -177,10 +182,25 @@ class Engine:
                           hold_blocks_on_finish=prefill_only, remote_prefill=remote_prefill)
         if params.has_grammar:  # a prefill worker's first token obeys it too
             request.grammar = self.structured_outputs.matcher(params)
-        self._detokenizers[rid] = IncrementalDetokenizer(
-            self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
+        if resume_token_ids:
+            self._resume(request, detokenizer, list(resume_token_ids))
+        self._detokenizers[rid] = detokenizer
         self.scheduler.add_request(request)
         return rid
+
+    def _resume(self, request: Request, detokenizer: IncrementalDetokenizer, done: list[int]) -> None:
+        """Put a request where it stood after ``done``: the text already emitted (fed token by token, as it
+        was then, so what was held back for a stop string is held back again), its grammar past them, and
+        one random draw skipped per token (a seeded request samples the tokens an undisturbed run would)."""
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in done):
+            raise InvalidRequestError(f"resumed token ids must be in [0, {vocab})")
+        for token_id in done:
+            request.append_output_token(token_id, None)
+            detokenizer.add_tokens([token_id])
+            accept(request.grammar, token_id)
+            self.runner.skip_sample(request)
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
