@@ -97,6 +97,8 @@ class RouterSection(_Strict):
     prefix_affinity: float = Field(default=0.25, ge=0)
     approx_ttl_s: float = Field(default=2.0, gt=0)
     shutdown_grace_s: int = Field(default=20, ge=0)  # on SIGTERM, in-flight streams get this many seconds
+    # A stream whose decode worker dies or fails is resumed on another this many times (0: it ends).
+    max_failovers: int = Field(default=2, ge=0, le=10)
     # Keys (router/auth.py): secrets, shown as ********** wherever the config is dumped (/cluster/config).
     # Prefer TANDEM_API_KEY / TANDEM_ADMIN_KEY or --api-key / --admin-key to a key written in a file.
     api_keys: list[SecretStr] = Field(default_factory=list)

@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
             say(f"warning: the router listens on {config.router.host} with no API key: anyone who reaches it may "
                 "use and scale the cluster (--api-key, TANDEM_API_KEY or router.api_keys)")
         router = RouterConfig(launcher.redis_url, config.name, config.model.path, config.model.served_name,
-                              config.router.policy_config(), config.router.approx_ttl_s, auth=auth)
+                              config.router.policy_config(), config.router.approx_ttl_s, auth=auth,
+                              max_failovers=config.router.max_failovers)
         app = create_app(router, RayWorkerClient(config.ray.namespace))
         server = uvicorn.Server(uvicorn.Config(app, host=config.router.host, port=config.router.port,
                                                log_level="warning",

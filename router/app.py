@@ -49,7 +49,8 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
         directory = WorkerDirectory(redis, keys, config.poll_interval_s)
         consumer = KVEventConsumer(redis, keys, index)
         directory.on_removed.extend([consumer.forget, client.forget])
-        dispatcher = Dispatcher(directory, index, client, config.policy, metrics, config.approx_ttl_s)
+        dispatcher = Dispatcher(directory, index, client, config.policy, metrics, config.approx_ttl_s,
+                                config.max_failovers)
         state = RouterState(config, config.served_model_name or default_name, tok, redis, directory, index,
                             consumer, dispatcher, metrics, client)
         app.state.router = state

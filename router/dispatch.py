@@ -9,7 +9,9 @@ chosen workers as approximate prefix-index entries until the workers' own events
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections import Counter
@@ -37,9 +39,25 @@ from workers.protocol.errors import OVERLOADED_KINDS
 from workers.protocol.messages import GenerateRequest, TokenChunk
 from workers.protocol.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 # A remote prefill failing this way (transfer error, prefill worker gone, stopped or shedding load) is
 # retried as a local prefill on the decode worker.
 _RETRY_LOCALLY = ("transfer", "unavailable", *OVERLOADED_KINDS)
+# A decode worker failing this way (its engine failed, it stopped, or a transfer to it broke) has its
+# streams failed over, as has one that dies or cannot be reached ("unreachable").
+_FAIL_OVER = ("internal", "unavailable", "transfer")
+# How long a failover waits for a live decode worker other than those that failed (the controller
+# replaces a dead one; a second worker may be starting).
+FAILOVER_WAIT_S = 15.0
+
+
+class _WorkerFailed(Exception):
+    """A decode worker's stream broke: ``reason`` says how (a metric label)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -53,11 +71,13 @@ class _Accounting:
 
 class Dispatcher:
     def __init__(self, directory: WorkerDirectory, index: PrefixIndex, client: WorkerClient,
-                 policy: PolicyConfig, metrics: RouterMetrics, approx_ttl_s: float = 2.0):
+                 policy: PolicyConfig, metrics: RouterMetrics, approx_ttl_s: float = 2.0, max_failovers: int = 2):
         self.directory = directory
         self.index = index
         self.client = client
         self.policy = policy
+        self.max_failovers = max_failovers
+        self.failover_wait_s = FAILOVER_WAIT_S
         self.metrics = metrics
         self.approx_ttl_s = approx_ttl_s
         self._round_robin = RoundRobin()
@@ -116,15 +136,73 @@ class Dispatcher:
         tells the caller where it stands.
 
         A remote prefill that fails before the first token (transfer error, prefill worker gone) is
-        retried once as a local prefill on the same decode worker: the client never sees it.
+        retried once as a local prefill on the same decode worker. A decode worker that dies, stops or
+        fails mid-stream (or before the first token) has the request resumed on another decode worker
+        after the tokens already sent, up to ``max_failovers`` times: the caller sees one stream. Then the
+        failure is the stream's last item, as an error chunk or an ``APIError``.
         """
         if route is None:
             route = self.plan(prompt_token_ids, cache_salt, block_size)
+        sent: list[int] = []  # output tokens the caller has had
+        failed: set[str] = set()
+        for failover in range(self.max_failovers + 1):
+            last = failover == self.max_failovers
+            ended = False
+            try:
+                async with contextlib.aclosing(self._attempts(route, prompt_token_ids, sampling, cache_salt,
+                                                              block_size, sent)) as chunks:
+                    async for chunk in chunks:
+                        if chunk.error is not None and chunk.error_kind in _FAIL_OVER and not last:
+                            raise _WorkerFailed(chunk.error_kind or "internal", chunk.error)
+                        sent.extend(chunk.token_ids)
+                        ended = chunk.finished or chunk.error is not None
+                        yield chunk
+                if ended:
+                    return
+                if last:
+                    raise APIError(502, f"decode worker {route.decode_worker!r} ended the stream early", "internal")
+                reason, message = "ended", "the stream ended early"
+            except APIError as e:
+                if e.code != "unreachable" or last:
+                    raise
+                reason, message = "unreachable", e.message
+            except _WorkerFailed as e:
+                reason, message = e.reason, str(e)
+            failed.add(route.decode_worker)
+            self.metrics.failovers.labels(reason=reason).inc()
+            log.warning("decode worker %s failed a stream (%s: %s); resuming it after %d tokens elsewhere",
+                        route.decode_worker, reason, message, len(sent))
+            route = await self._failover_route(prompt_token_ids + sent, cache_salt, block_size, failed)
+
+    async def _failover_route(self, token_ids: list[int], cache_salt: str | None, block_size: int,
+                              failed: set[str]) -> Route:
+        """A live decode worker other than ``failed`` (waiting up to ``failover_wait_s`` for one), to prefill
+        the prompt and the tokens sent so far itself."""
+        deadline = time.monotonic() + self.failover_wait_s
+        while True:
+            decoders = [self._view(e) for e in self.directory.live("decode") if e.info.worker_id not in failed]
+            if decoders:
+                break
+            if time.monotonic() > deadline:
+                raise no_worker_error("decode")
+            await asyncio.sleep(0.2)
+        block_hashes = hash_prompt_blocks(token_ids, block_size, cache_salt)
+        needed = cdiv(len(token_ids), block_size)
+        tie_key = block_hashes[0] if block_hashes else hash_block(ROOT_HASH, token_ids)
+        decode = choose_decode_worker(decoders, needed, tie_key)
+        return Route(decode, None, self.index.match(block_hashes).get(decode, 0), needed)
+
+    async def _attempts(self, route: Route, prompt_token_ids: list[int], sampling: SamplingParams,
+                        cache_salt: str | None, block_size: int, sent: list[int]) -> AsyncGenerator[TokenChunk, None]:
+        """One decode worker's stream; a remote prefill that fails before the first token is tried once more
+        as a local one."""
+        if sent:  # resumed: prompt logprobs went out with the first chunk already
+            sampling = replace(sampling, prompt_logprobs=None)
         for attempt in (route, replace(route, prefill_worker=None, prefill_overlap_blocks=0)):
             self.metrics.routed(attempt, block_size)
             started = False
             async with contextlib.aclosing(self._attempt(attempt, prompt_token_ids, sampling, cache_salt,
-                                                         block_size)) as chunks:
+                                                         block_size, sent)) as chunks:
                 async for chunk in chunks:
                     if not started and chunk.error_kind in _RETRY_LOCALLY and attempt.prefill_worker is not None:
                         self.metrics.retries.inc()
@@ -135,12 +213,12 @@ class Dispatcher:
                 return
 
     async def _attempt(self, route: Route, prompt_token_ids: list[int], sampling: SamplingParams,
-                       cache_salt: str | None, block_size: int) -> AsyncGenerator[TokenChunk, None]:
+                       cache_salt: str | None, block_size: int, sent: list[int]) -> AsyncGenerator[TokenChunk, None]:
         """One call to the decode worker, counted in this router's in-flight figures while it lasts."""
         request = GenerateRequest(f"req-{uuid.uuid4().hex}", prompt_token_ids, sampling, cache_salt,
-                                  route.prefill_worker)
+                                  route.prefill_worker, list(sent))
         prefiller = route.prefill_worker or route.decode_worker
-        to_prefill = len(prompt_token_ids) - route.prefill_overlap_blocks * block_size
+        to_prefill = len(prompt_token_ids) + len(sent) - route.prefill_overlap_blocks * block_size
         needed = route.kv_blocks_needed
         inflight = self._inflight
         inflight.prefill_tokens[prefiller] += to_prefill

@@ -34,6 +34,8 @@ class RouterMetrics:
                                   ["reason"], registry=r)
         self.retries = Counter("tandem_router_retries", "Remote prefills retried locally after a transfer error",
                                registry=r)
+        self.failovers = Counter("tandem_router_failovers", "Streams resumed on another decode worker after "
+                                 "theirs failed, by what failed", ["reason"], registry=r)
         self.prompt_tokens = Counter("tandem_router_prompt_tokens", "Prompt tokens routed", registry=r)
         self.expected_hit_tokens = Counter(
             "tandem_router_expected_prefix_hit_tokens", "Prompt tokens the chosen worker holds per the index",

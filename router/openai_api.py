@@ -7,8 +7,9 @@ decode worker's prefix cache), the others start on that worker over those cached
 
 The first worker chunk is awaited before any response starts, so a request that fails before its
 first token (bad input a worker caught, no capacity, a failed transfer) gets a proper HTTP status;
-later failures end the stream with an error event and ``[DONE]``. A client that goes away cancels
-the request on every worker it touched, streamed or not.
+later failures end the stream with an error event and ``[DONE]`` (a decode worker that dies is failed
+over by the dispatcher first: router/dispatch.py). A client that goes away cancels the request on every
+worker it touched, streamed or not.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ class RouterConfig:
     poll_interval_s: float = 0.05
     metrics_timeout_s: float = 2.0
     auth: AuthConfig = field(default_factory=AuthConfig)  # API keys; none: open, as on a laptop
+    # Times a stream is resumed on another decode worker after its own failed (0: failures end the stream).
+    max_failovers: int = 2
 
 
 class ClusterShape(NamedTuple):

@@ -273,3 +273,53 @@ def test_router_over_ray_workers_with_the_openai_client(tcp_cluster, redis_url, 
         assert sum(routes.values()) == 2, routes
     finally:
         router.stop()
+
+
+def test_streams_survive_a_decode_worker_killed_with_sigkill(tcp_cluster, redis_url, make_engine):
+    """Issue 22's acceptance: 4 greedy streams on one decode worker, which gets SIGKILL once each has sent 8
+    tokens; all 4 finish without an error event, with an undisturbed run's text."""
+    import threading
+
+    import httpx
+
+    from router.policy import PolicyConfig
+    from router.state import RouterConfig
+    from router.worker_client import RayWorkerClient
+    from tests.router.serve import serve_router
+    from tests.router.test_failover import MAX_TOKENS, QUESTIONS, stream_chat
+
+    victim = start_decode_worker("tcp-victim", EngineConfig(kv_cache_bytes=KV_BYTES, weight_format=WEIGHTS),
+                                 RESOURCES, "tcp", NAMESPACE, transfer_timeout_s=5.0,
+                                 publish=PublishConfig(redis_url, "ray-tcp"))
+    pid = ray.get(victim.ready.remote(), timeout=300)["pid"]
+    engine = make_engine(dense=True)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    want = [engine.generate([{"messages": [{"role": "user", "content": q}]}], greedy)[0].text for q in QUESTIONS]
+    config = RouterConfig(redis_url, "ray-tcp", served_model_name="tandem-test",
+                          policy=PolicyConfig(local_prefill_max_tokens=8, local_prefill_min_overlap=1.0))
+    router = serve_router(config, RayWorkerClient(NAMESPACE), engine.tokenizer, min_workers=4)
+    directory = router.app.state.router.directory
+    live, others = directory.live, {"tcp-d0", "tcp-d1"}
+    directory.live = lambda role: [e for e in live(role) if e.info.worker_id not in others]  # all on the victim
+    try:
+        progress = [[0] for _ in QUESTIONS]
+        outs: list[dict] = [{} for _ in QUESTIONS]  # type: ignore[type-arg]
+        threads = [threading.Thread(target=stream_chat, args=(router.url, q, {"temperature": 0}, progress[i],
+                                                              outs[i])) for i, q in enumerate(QUESTIONS)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while min(p[0] for p in progress) < 8:
+            assert time.monotonic() < deadline and all(t.is_alive() for t in threads), progress
+            time.sleep(0.01)
+        others.clear()
+        os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=180)
+        assert [o["errors"] for o in outs] == [[]] * 4 and [o["status"] for o in outs] == [200] * 4
+        assert [o["text"] for o in outs] == want
+        metrics = httpx.get(f"{router.url}/metrics", timeout=30).text
+        assert 'tandem_router_failovers_total{reason="unreachable"} 4.0' in metrics
+    finally:
+        directory.live = live
+        router.stop()

@@ -68,6 +68,9 @@ class GenerateRequest:
     cache_salt: str | None = None
     # The prefill worker to use (its id); None: prefill locally on the decode worker.
     prefill_worker: str | None = None
+    # Failover: the output tokens the client already has (from a worker that died); decoding goes on after
+    # them, prefilled here over the prompt and them. Chunks then carry only new tokens.
+    resume_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -71,9 +71,10 @@ class DecodeService(EngineService):
         if refusal is not None:
             yield self._error_chunk(rid, refusal)
             return
-        # Prompt logprobs come from the prompt's logits, which only the engine computing it has: here.
+        # Prompt logprobs come from the prompt's logits, which only the engine computing it has: here. A
+        # resumed request is recomputed here too (its output so far is part of what is prefilled).
         remote = (request.prefill_worker is not None and self.prefill_client is not None
-                  and request.sampling.prompt_logprobs is None)
+                  and request.sampling.prompt_logprobs is None and not request.resume_token_ids)
         stream = _Stream(asyncio.get_running_loop())
         if remote:
             stream.reserved = stream.loop.create_future()
@@ -100,7 +101,7 @@ class DecodeService(EngineService):
         try:
             await self.loop.run(lambda e: e.add_request(
                 request.prompt_token_ids, request.sampling, request_id=rid, cache_salt=request.cache_salt,
-                remote_prefill=stream.reserved is not None))
+                remote_prefill=stream.reserved is not None, resume_token_ids=request.resume_token_ids))
         except Exception as e:  # noqa: BLE001 - bad input becomes an error chunk, never a crash
             yield self._fail(stream, rid, e)
             return
