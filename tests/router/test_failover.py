@@ -27,7 +27,7 @@ from workers.transport.tcp import TcpTransport
 
 QUESTIONS = ["Tell me about the moon.", "Why is the sea salty?", "Name three rivers in Europe.",
              "What do bees make?"]
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 
 
 def stream_chat(url: str, question: str, body: dict, progress: list[int], out: dict) -> None:  # type: ignore[type-arg]

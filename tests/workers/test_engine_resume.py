@@ -28,15 +28,15 @@ def run(engine, params: SamplingParams, resume: list[int] | None = None) -> list
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=40, temperature=0.0),
-    SamplingParams(max_tokens=40, temperature=1.0, seed=7, frequency_penalty=0.5, repetition_penalty=1.2,
+    SamplingParams(max_tokens=24, temperature=0.0),
+    SamplingParams(max_tokens=24, temperature=1.0, seed=7, frequency_penalty=0.5, repetition_penalty=1.2,
                    presence_penalty=0.3, top_k=50),
-    SamplingParams(max_tokens=40, temperature=0.8, seed=3, json_schema=SCHEMA),
+    SamplingParams(max_tokens=32, temperature=0.8, seed=3, json_schema=SCHEMA),
 ], ids=["greedy", "seeded-penalties", "json-schema"])
 def test_a_resumed_request_goes_on_as_if_undisturbed(make_engine, params) -> None:
     whole = run(make_engine(dense=True), params)
     assert len(whole) > 12
-    for cut in (1, 8, len(whole) // 2):
+    for cut in (1, len(whole) // 2):
         done = [t for t, _, _ in whole[:cut]]
         rest = run(make_engine(dense=True), params, done)
         assert rest == whole[cut:], cut
@@ -58,7 +58,7 @@ def test_text_held_back_for_a_stop_string_is_held_back_again(make_engine) -> Non
 
     held = [i + 1 for i in range(len(whole) - 1) if emitted(whole, i) < emitted(probe, i)]
     assert held
-    for cut in held[:4]:
+    for cut in held[:3]:
         rest = run(make_engine(dense=True), params, [t for t, _, _ in whole[:cut]])
         assert rest == whole[cut:], cut
 
