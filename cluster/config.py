@@ -99,6 +99,9 @@ class RouterSection(_Strict):
     shutdown_grace_s: int = Field(default=20, ge=0)  # on SIGTERM, in-flight streams get this many seconds
     # A stream whose decode worker dies or fails is resumed on another this many times (0: it ends).
     max_failovers: int = Field(default=2, ge=0, le=10)
+    max_request_bytes: int = Field(default=8 << 20, ge=1024)  # a bigger request body is a 413
+    # A streaming client that takes no data for this long is cut off and its request cancelled.
+    client_stall_timeout_s: float = Field(default=30.0, gt=0)
     # Keys (router/auth.py): secrets, shown as ********** wherever the config is dumped (/cluster/config).
     # Prefer TANDEM_API_KEY / TANDEM_ADMIN_KEY or --api-key / --admin-key to a key written in a file.
     api_keys: list[SecretStr] = Field(default_factory=list)

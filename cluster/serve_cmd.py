@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     from cluster.launcher import Launcher, say
     from router.app import create_app
+    from router.listen import listening_socket
     from router.state import RouterConfig
     from router.worker_client import RayWorkerClient
 
@@ -84,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
                 "use and scale the cluster (--api-key, TANDEM_API_KEY or router.api_keys)")
         router = RouterConfig(launcher.redis_url, config.name, config.model.path, config.model.served_name,
                               config.router.policy_config(), config.router.approx_ttl_s, auth=auth,
-                              max_failovers=config.router.max_failovers)
+                              max_failovers=config.router.max_failovers,
+                              max_request_bytes=config.router.max_request_bytes,
+                              client_stall_timeout_s=config.router.client_stall_timeout_s)
         app = create_app(router, RayWorkerClient(config.ray.namespace))
         server = uvicorn.Server(uvicorn.Config(app, host=config.router.host, port=config.router.port,
                                                log_level="warning",
@@ -94,14 +97,16 @@ def run(args: argparse.Namespace) -> int:
         router_done = threading.Event()
         threading.Thread(target=bounded_shutdown, daemon=True, args=(
             server, router_done, config.router.shutdown_grace_s + SHUTDOWN_SLACK_S, launcher, say)).start()
+        sock = listening_socket(config.router.host, config.router.port)
         try:
-            server.run()  # returns on Ctrl-C / SIGTERM after a graceful shutdown ...
+            server.run(sockets=[sock])  # returns on Ctrl-C / SIGTERM after a graceful shutdown ...
         except (KeyboardInterrupt, SystemExit) as e:
             # ... and then re-raises the signal, which Ray's driver handler turns into sys.exit(signum).
             if isinstance(e, SystemExit) and e.code not in (signal.SIGTERM, signal.SIGINT):
                 raise
         finally:
             router_done.set()
+            sock.close()
         return 0 if server.started else 1
     finally:
         say("stopping")

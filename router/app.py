@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from router.auth import APIKeyAuth
+from router.body_limit import BodyLimit
 from router.dispatch import Dispatcher
 from router.errors import install_error_handlers
 from router.kv_event_consumer import KVEventConsumer
@@ -68,6 +69,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     app.add_middleware(APIKeyAuth, config=config.auth)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)  # outermost: before auth reads anything
     install_error_handlers(app)
     app.include_router(api)
     app.include_router(pools_api)

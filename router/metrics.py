@@ -36,6 +36,8 @@ class RouterMetrics:
                                registry=r)
         self.failovers = Counter("tandem_router_failovers", "Streams resumed on another decode worker after "
                                  "theirs failed, by what failed", ["reason"], registry=r)
+        self.stalled_clients = Counter("tandem_router_stalled_clients", "Streams cut off because their client "
+                                       "read nothing for router.client_stall_timeout_s", registry=r)
         self.prompt_tokens = Counter("tandem_router_prompt_tokens", "Prompt tokens routed", registry=r)
         self.expected_hit_tokens = Counter(
             "tandem_router_expected_prefix_hit_tokens", "Prompt tokens the chosen worker holds per the index",

@@ -157,7 +157,9 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
     merged = _merge(list(zip(firsts, streams, strict=True)))
     if body.stream:
         return EventStreamResponse(_stream(state, choices, merged, body.include_usage, arrival,
-                                           request.scope["path"]), headers={"Cache-Control": "no-cache"})
+                                           request.scope["path"]), headers={"Cache-Control": "no-cache"},
+                                   stall_timeout_s=state.config.client_stall_timeout_s,
+                                   on_stall=state.metrics.stalled_clients.inc)
     collected, gone = await until_disconnect(request.receive, _collect(choices, merged))
     if gone or collected is None:
         await merged.aclose()

@@ -27,6 +27,7 @@ VENDOR_FIELDS = ("top_k", "min_p", "ignore_eos", "cache_salt", "stop_token_ids",
 STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_CHOICES = 16  # n: sequences a request may ask for (each one decodes on the same worker)
 MAX_TOOLS = 128  # OpenAI's limit on functions a request may offer
+MAX_STOP_CHARS = 256
 
 
 class StreamOptions(BaseModel):
@@ -166,7 +167,10 @@ class _Common(BaseModel):
     top_k: Annotated[int, Field(ge=-1)] = 0
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     seed: int | None = None
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None = None
+    # Each stop string is searched for in the tail of the text at every token: bounded in number and length.
+    stop: (Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+           | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=16)]
+           | None) = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -12,11 +12,11 @@ group per request cost ~0.1 ms of the router's latency budget (it names and form
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 T = TypeVar("T")
 
@@ -50,7 +50,18 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> tuple[T | No
 
 
 class EventStreamResponse(StreamingResponse):
+    """``stall_timeout_s``: a write that waits this long (the client reads nothing and the send buffers are
+    full) ends the stream, which cancels the request everywhere; ``on_stall`` is told. A stalled client
+    never holds up other streams (each writes from its own task) but would hold its KV blocks and the
+    chunks queued behind it until it read again."""
+
     media_type = "text/event-stream"
+
+    def __init__(self, content: Any, headers: Mapping[str, str] | None = None, stall_timeout_s: float | None = None,
+                 on_stall: Callable[[], None] | None = None):
+        super().__init__(content, headers=headers)
+        self.stall_timeout_s = stall_timeout_s
+        self.on_stall = on_stall
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -62,6 +73,25 @@ class EventStreamResponse(StreamingResponse):
 
     async def _stream(self, send: Send) -> None:
         try:
-            await self.stream_response(send)
+            await self.stream_response(send if self.stall_timeout_s is None else self._bounded(send))
+        except _Stalled:
+            if self.on_stall is not None:
+                self.on_stall()
         except OSError:
             pass  # the client went away mid-write
+
+    def _bounded(self, send: Send) -> Send:
+        timeout_s = self.stall_timeout_s
+
+        async def bounded_send(message: Message) -> None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await send(message)
+            except TimeoutError as e:
+                raise _Stalled from e
+
+        return bounded_send
+
+
+class _Stalled(Exception):
+    """A write to the client waited past the stall timeout."""

@@ -38,6 +38,10 @@ class RouterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)  # API keys; none: open, as on a laptop
     # Times a stream is resumed on another decode worker after its own failed (0: failures end the stream).
     max_failovers: int = 2
+    max_request_bytes: int = 8 << 20  # a bigger body is a 413
+    # A streamed response whose client takes no data for this long (its send buffer full) is ended and its
+    # request cancelled on every worker.
+    client_stall_timeout_s: float = 30.0
 
 
 class ClusterShape(NamedTuple):

@@ -12,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from router.app import create_app
+from router.listen import listening_socket
 from router.state import RouterConfig
 from router.worker_client import WorkerClient
 from workers.model.tokenizer import Tokenizer
@@ -37,9 +38,10 @@ def free_port() -> int:
 
 def serve_app(app: FastAPI, timeout_s: float = 30.0) -> AppServer:
     """Start uvicorn on a free port in a thread; returns once it accepts connections."""
-    port = free_port()
+    sock = listening_socket("127.0.0.1", 0)  # as tandem serve listens: bounded send buffers
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
     while not server.started:
