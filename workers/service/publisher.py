@@ -182,5 +182,15 @@ class WorkerPublisher:
         self._in_sync = True
 
     def _report_load(self, load: WorkerLoad) -> None:
+        """The load, and a check that Redis still has this worker registered: a Redis restarted or flushed
+        between two reports (redis-py reconnects silently) lost the registry, the KV stream and the snapshot,
+        so the worker starts over (a new epoch: register, clear, snapshot) and routers rebuild from that."""
         load = replace(load, kv_events_epoch=self._epoch, kv_events_seq=self._seq)
-        self._redis.set(self.keys.load(self.info.worker_id), pack(load), px=self.load_ttl_ms)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(self.keys.load(self.info.worker_id), pack(load), px=self.load_ttl_ms)
+        pipe.hsetnx(self.keys.registry, self.info.worker_id, pack(self.info))
+        _, was_missing = pipe.execute()
+        if was_missing and self._in_sync:
+            log.warning("%s: Redis lost this worker's registration (restarted or flushed); starting over",
+                        self.info.worker_id)
+            self._in_sync = False
