@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from kernels.host_math import cdiv
 from router.auth import AuthConfig
 from router.policy import PolicyConfig
 from workers.engine.config import EngineConfig
 from workers.protocol.cluster_keys import ROLES
+from workers.protocol.timing_profile import ProfileError, TimingProfile
 from workers.resources import WorkerResources
 
 
@@ -138,6 +139,24 @@ class AutoscalerSection(_Strict):
     enabled: bool = False
     interval_s: float = Field(default=15.0, gt=0)
     scale_down_delay_s: float = Field(default=120.0, ge=0)
+    # The timing profile the predictions start from (``tandem profile`` on this hardware; measured ones are
+    # under deploy/profiles/); None: sim_profile, when the cluster runs as timing models.
+    profile: str | None = None
+    # Grow a pool when a predicted TTFT or TPOT passes this share of its target; shrink only to sizes predicted
+    # within down_margin (the gap between them keeps a steady load from flapping).
+    up_margin: float = Field(default=0.85, gt=0, le=1)
+    down_margin: float = Field(default=0.6, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _margins(self) -> AutoscalerSection:
+        if self.down_margin > self.up_margin:
+            raise ValueError(f"down_margin ({self.down_margin}) exceeds up_margin ({self.up_margin})")
+        if self.profile is not None:
+            try:
+                TimingProfile.load(self.profile)
+            except ProfileError as e:
+                raise ValueError(f"profile: {e}") from None
+        return self
 
 
 def _default_prefill_pool() -> PoolSection:
@@ -153,6 +172,9 @@ def _default_decode_pool() -> PoolSection:
 
 class ClusterConfig(_Strict):
     name: str = "default"
+    # A timing profile (``tandem profile``'s JSON): every worker runs as a timing model of it, with no
+    # weights (``tandem serve --sim``); KV pools default to the profiled worker's size.
+    sim_profile: str | None = None
     model: ModelSection = Field(default_factory=ModelSection)
     prefill: PoolSection = Field(default_factory=_default_prefill_pool)
     decode: PoolSection = Field(default_factory=_default_decode_pool)
@@ -163,19 +185,49 @@ class ClusterConfig(_Strict):
     slo: SLOSection = Field(default_factory=SLOSection)
     autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection)
 
+    @field_validator("sim_profile")
+    @classmethod
+    def _readable_profile(cls, path: str | None) -> str | None:
+        if path is not None:
+            try:
+                TimingProfile.load(path)
+            except ProfileError as e:
+                raise ValueError(str(e)) from None
+        return path
+
+    @model_validator(mode="after")
+    def _autoscaler_has_a_profile(self) -> ClusterConfig:
+        if self.autoscaler.enabled and self.autoscaler.profile is None and self.sim_profile is None:
+            raise ValueError("autoscaler.enabled needs autoscaler.profile: a timing profile of this hardware "
+                             "(`tandem profile --out FILE` writes one)")
+        return self
+
+    def autoscaler_profile(self) -> TimingProfile:
+        path = self.autoscaler.profile or self.sim_profile
+        assert path is not None, "checked when the config was read"
+        return TimingProfile.load(path)
+
+    def timing_profile(self) -> TimingProfile | None:
+        return None if self.sim_profile is None else TimingProfile.load(self.sim_profile)
+
     def pool(self, role: str) -> PoolSection:
         """The ``prefill`` or ``decode`` section."""
         return self.prefill if role == "prefill" else self.decode
 
     def engine_config(self, role: str) -> EngineConfig:
         e = self.pool(role).engine
+        profile = self.timing_profile()
+        # A timing model's pool is the profiled worker's, unless the YAML sizes it.
+        num_kv_blocks = (profile.kv_tokens_per_worker // e.block_size
+                         if profile is not None and e.kv_cache_bytes is None else None)
         return EngineConfig(model=self.model.path, dtype=self.model.dtype, weight_format=self.model.weight_format,
                             max_model_len=self.model.max_model_len,
                             block_size=e.block_size, kv_cache_bytes=e.kv_cache_bytes,
                             kv_cache_memory_fraction=e.kv_cache_memory_fraction, max_num_seqs=e.max_num_seqs,
                             max_num_batched_tokens=e.max_num_batched_tokens,
                             prefill_chunk_size=e.prefill_chunk_size, enable_prefix_caching=e.enable_prefix_caching,
-                            max_queue_len=e.max_queue_len, max_queue_time_s=e.max_queue_time_s)
+                            max_queue_len=e.max_queue_len, max_queue_time_s=e.max_queue_time_s,
+                            num_kv_blocks=num_kv_blocks, timing_profile=profile)
 
     def worker_resources(self, role: str) -> WorkerResources:
         r = self.pool(role).resources

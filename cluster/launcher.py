@@ -10,10 +10,13 @@ import math
 import os
 import sys
 
+from cluster.autoscaler import Autoscaler, AutoscalerSettings
+from cluster.capacity_model import CapacityModel
 from cluster.config import ClusterConfig, ConfigError, check_kv_budget
 from cluster.embedded_redis import EmbeddedRedis
 from cluster.pool_controller import PoolController
 from cluster.pool_manager import PoolManager
+from router.slo_window import SLOTargets
 from workers.protocol.cluster_keys import ROLES
 
 log = logging.getLogger(__name__)
@@ -65,8 +68,21 @@ class Launcher:
         for role in ROLES:
             self.pools.scale(role, cfg.pool(role).replicas)
         self.pools.wait_ready()
-        self.controller = PoolController(self.pools, self.redis_url, cfg)
+        self.controller = PoolController(self.pools, self.redis_url, cfg, autoscaler=self._autoscaler(), say=say)
         self.controller.start()
+
+    def _autoscaler(self) -> Autoscaler | None:
+        cfg = self.config
+        if not cfg.autoscaler.enabled:
+            return None
+        a = cfg.autoscaler
+        slo = SLOTargets(cfg.slo.ttft_ms / 1000, cfg.slo.tpot_ms / 1000)
+        model = CapacityModel(cfg.autoscaler_profile(), slo, cfg.slo.attainment, cfg.decode.engine.prefill_chunk_size)
+        settings = AutoscalerSettings(a.interval_s, a.scale_down_delay_s, cfg.slo.attainment, a.up_margin,
+                                      a.down_margin)
+        say(f"autoscaler on: every {a.interval_s:g}s toward TTFT <= {cfg.slo.ttft_ms:g} ms and TPOT <= "
+            f"{cfg.slo.tpot_ms:g} ms for {cfg.slo.attainment:.0%} of requests")
+        return Autoscaler(model, settings)
 
     def local_num_cpus(self) -> int:
         """Logical CPUs of a local cluster: this machine's cores, or enough for every pool at its

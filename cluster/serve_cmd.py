@@ -29,6 +29,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, help="router port")
     p.add_argument("--redis", help="external Redis URL (default: an embedded redis-server)")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    p.add_argument("--sim", metavar="PROFILE", help="run every worker as a timing model of this profile "
+                   "(tandem profile's JSON): no weights, the profiled step times")
     p.add_argument("--api-key", action="append", help="require 'Authorization: Bearer KEY' on the API (repeatable; "
                    "also TANDEM_API_KEY, YAML router.api_keys)")
     p.add_argument("--admin-key", action="append", help="the key the /cluster/* endpoints need (repeatable; also "
@@ -52,6 +54,8 @@ def apply_flags(config: ClusterConfig, args: argparse.Namespace) -> ClusterConfi
                                ("ray_address", "ray", "address")):
         if getattr(args, flag) is not None:
             data[section][key] = getattr(args, flag)
+    if getattr(args, "sim", None) is not None:
+        data["sim_profile"] = args.sim
     for flag, env, key in (("api_key", "TANDEM_API_KEY", "api_keys"), ("admin_key", "TANDEM_ADMIN_KEY", "admin_keys")):
         data["router"][key] = [*data["router"][key], *(getattr(args, flag, None) or []),
                                *([os.environ[env]] if os.environ.get(env) else [])]
@@ -67,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from cluster.launcher import Launcher, say
     from router.app import create_app
     from router.listen import listening_socket
+    from router.slo_window import SLOTargets
     from router.state import RouterConfig
     from router.worker_client import RayWorkerClient
 
@@ -87,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
                               config.router.policy_config(), config.router.approx_ttl_s, auth=auth,
                               max_failovers=config.router.max_failovers,
                               max_request_bytes=config.router.max_request_bytes,
-                              client_stall_timeout_s=config.router.client_stall_timeout_s)
+                              client_stall_timeout_s=config.router.client_stall_timeout_s,
+                              slo=SLOTargets(config.slo.ttft_ms / 1000, config.slo.tpot_ms / 1000))
         app = create_app(router, RayWorkerClient(config.ray.namespace))
         server = uvicorn.Server(uvicorn.Config(app, host=config.router.host, port=config.router.port,
                                                log_level="warning",

@@ -29,6 +29,8 @@ from router.metrics import RouterMetrics, merge_expositions
 from router.openai_api import api
 from router.pool_api import pools_api, read_controller, read_targets
 from router.prefix_index import PrefixIndex
+from router.slo_report import cluster_window, report_loop
+from router.slo_window import SLOWindow
 from router.state import RouterConfig, RouterState, load_tokenizer
 from router.tokenize_api import tokenize_api
 from router.worker_client import WorkerClient
@@ -53,17 +55,20 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
         dispatcher = Dispatcher(directory, index, client, config.policy, metrics, config.approx_ttl_s,
                                 config.max_failovers)
         state = RouterState(config, config.served_model_name or default_name, tok, redis, directory, index,
-                            consumer, dispatcher, metrics, client)
+                            consumer, dispatcher, metrics, client, SLOWindow(config.slo, config.slo_window_s))
         app.state.router = state
         await directory.start()
         tasks = [asyncio.create_task(consumer.run(directory.event_positions), name="kv-events"),
-                 asyncio.create_task(_expire_loop(index), name="index-expiry")]
+                 asyncio.create_task(_expire_loop(index), name="index-expiry"),
+                 asyncio.create_task(report_loop(redis, keys, state.router_id, state.slo), name="slo-report")]
         try:
             yield
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(aioredis.RedisError):
+                await redis.hdel(keys.slo, state.router_id)
             await directory.stop()
             await redis.aclose()
 
@@ -103,7 +108,8 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
         targets, controller = await _pools(state)
         return {"cluster": state.config.cluster, "model": state.model_name, "pools": pools, "targets": targets,
                 "starting": controller.starting if controller else [],
-                "draining": controller.draining if controller else [], "workers": workers}
+                "draining": controller.draining if controller else [], "workers": workers,
+                "slo": await _slo_status(state), "autoscaler": controller.autoscaler if controller else None}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, object]:
@@ -139,6 +145,19 @@ async def _pools(state: RouterState) -> tuple[dict[str, int], ControllerState | 
         return {}, None
 
 
+async def _slo_status(state: RouterState) -> dict[str, object]:
+    """The SLO, this router's window, and every router's windows merged (None without Redis)."""
+    targets = state.config.slo
+    status: dict[str, object] = {"ttft_ms": targets.ttft_s * 1000, "tpot_ms": targets.tpot_s * 1000,
+                                 "router": state.slo.counts().summary(), "cluster": None}
+    try:
+        merged, num_routers = await cluster_window(state.redis, ClusterKeys(state.config.cluster))
+        status["cluster"] = {**merged.summary(), "routers": num_routers}
+    except aioredis.RedisError:
+        pass
+    return status
+
+
 def _update_gauges(state: RouterState, targets: dict[str, int], controller: ControllerState | None) -> None:
     m = state.metrics
     for role in ROLES:
@@ -147,6 +166,7 @@ def _update_gauges(state: RouterState, targets: dict[str, int], controller: Cont
             m.pool_targets.labels(role=role).set(targets[role])
     m.pool_changing.labels(state="starting").set(len(controller.starting) if controller else 0)
     m.pool_changing.labels(state="draining").set(len(controller.draining) if controller else 0)
+    m.observed(state.slo.counts())
     m.index_nodes.set(state.index.num_nodes)
     m.kv_events.set(state.consumer.num_events_applied)
     m.kv_resyncs.set(state.consumer.num_resyncs)

@@ -14,7 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from router.policy import Route
+from router.slo_window import SLOCounts
 
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -25,6 +27,16 @@ class RouterMetrics:
                                 registry=r)
         self.ttft = Histogram("tandem_router_ttft_seconds", "Arrival to first token, seen by the router",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tandem_router_tpot_seconds", "Per request: (E2E - TTFT) / (output tokens - 1)",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.queue = Histogram("tandem_router_queue_seconds", "Per request: the decode worker's wait before "
+                               "admission (KV blocks, a batch slot)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.slo_attainment = Gauge("tandem_router_slo_attainment", "Share of requests that met the TTFT and TPOT "
+                                    "SLOs over the window (this router's)", registry=r)
+        self.goodput = Gauge("tandem_router_goodput_requests_per_second", "Requests per second that met the SLOs "
+                             "over the window (this router's)", registry=r)
+        self.arrival_rate = Gauge("tandem_router_arrival_requests_per_second", "Valid requests per second over "
+                                  "the window (this router's)", registry=r)
         self.e2e = Histogram("tandem_router_e2e_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS,
                              registry=r)
         self.in_flight = Gauge("tandem_router_requests_in_flight", "Requests being served", registry=r)
@@ -55,6 +67,13 @@ class RouterMetrics:
     def routed(self, route: Route, block_size: int) -> None:
         self.routes.labels(prefill="local" if route.prefill_worker is None else "remote").inc()
         self.expected_hit_tokens.inc(route.prefill_overlap_blocks * block_size)
+
+    def observed(self, counts: SLOCounts) -> None:
+        """The SLO window's figures, as gauges (set at each scrape)."""
+        if counts.attainment is not None:
+            self.slo_attainment.set(counts.attainment)
+        self.goodput.set(counts.goodput_rps)
+        self.arrival_rate.set(counts.rate(counts.arrived))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

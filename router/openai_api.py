@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from router.errors import WORKER_ERROR_STATUS, APIError
 from router.responses import DONE_EVENT, Completion, Echo, error_event, likeliest, response_body, usage_event
 from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.slo_window import RequestTrace
 from router.sse import EventStreamResponse, until_disconnect
 from router.state import RouterState
 from router.tool_calls import ToolPlan, tool_plan
@@ -99,8 +100,9 @@ async def _serve(request: Request, body: ChatCompletionRequest | CompletionReque
     state.metrics.in_flight.inc()
     status = "500"
     response: Response | None = None
+    trace = RequestTrace(time.perf_counter())
     try:
-        response = await _respond(request, state, body, kind, time.perf_counter())
+        response = await _respond(request, state, body, kind, trace)
         status = str(response.status_code)
         return response
     except APIError as e:
@@ -115,10 +117,11 @@ async def _serve(request: Request, body: ChatCompletionRequest | CompletionReque
         if not isinstance(response, EventStreamResponse):
             state.metrics.requests.labels(endpoint, status).inc()
             state.metrics.in_flight.dec()
+            state.end_request(trace, status)
 
 
 async def _respond(request: Request, state: RouterState, body: ChatCompletionRequest | CompletionRequest,
-                   kind: str, arrival: float) -> Response:
+                   kind: str, trace: RequestTrace) -> Response:
     state.require_model(body.model)
     shape = state.cluster_shape()
     tools = tool_plan(body, state.tokenizer) if isinstance(body, ChatCompletionRequest) else None
@@ -129,6 +132,8 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
     if any(t >= state.tokenizer.vocab_size for t, _ in sampling.logit_bias):
         raise InvalidRequestError(f"logit_bias token ids must be in [0, {state.tokenizer.vocab_size})")
     request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    trace.prompt_tokens = len(prompt_ids)
+    state.slo.arrived(len(prompt_ids))
     num_sequences, shown_logprobs = body.num_sequences, sampling.logprobs
     if num_sequences > body.n:  # best_of: ranked by their tokens' log probabilities, which workers send
         sampling = replace(sampling, logprobs=True)
@@ -153,10 +158,12 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
     if gone or firsts is None:  # the client left before the first token: cancel the request
         await _close_all(streams)
         return Response(status_code=499)
-    state.metrics.ttft.observe(time.perf_counter() - arrival)
+    trace.first_token_at = time.perf_counter()
+    trace.queue_s = firsts[0].queue_seconds or 0.0
+    state.metrics.ttft.observe(trace.first_token_at - trace.arrival)
     merged = _merge(list(zip(firsts, streams, strict=True)))
     if body.stream:
-        return EventStreamResponse(_stream(state, choices, merged, body.include_usage, arrival,
+        return EventStreamResponse(_stream(state, choices, merged, body.include_usage, trace,
                                            request.scope["path"]), headers={"Cache-Control": "no-cache"},
                                    stall_timeout_s=state.config.client_stall_timeout_s,
                                    on_stall=state.metrics.stalled_clients.inc)
@@ -165,7 +172,8 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
         await merged.aclose()
         return Response(status_code=499)
     state.metrics.output_tokens.inc(sum(c.num_output_tokens for c in choices))
-    state.metrics.e2e.observe(time.perf_counter() - arrival)
+    state.metrics.e2e.observe(time.perf_counter() - trace.arrival)
+    trace.output_tokens, trace.ok = max(c.num_output_tokens for c in choices), True
     return JSONResponse(response_body(likeliest(choices, body.n), state.tokenizer, choices))
 
 
@@ -272,7 +280,7 @@ async def _collect(choices: list[Completion],
 
 async def _stream(state: RouterState, choices: list[Completion],
                   merged: AsyncGenerator[tuple[int, TokenChunk | APIError], None], include_usage: bool,
-                  arrival: float, endpoint: str) -> AsyncIterator[str]:
+                  trace: RequestTrace, endpoint: str) -> AsyncIterator[str]:
     tok = state.tokenizer
     status = "200"
     try:
@@ -298,7 +306,9 @@ async def _stream(state: RouterState, choices: list[Completion],
         raise
     finally:
         state.metrics.output_tokens.inc(sum(c.num_output_tokens for c in choices))
-        state.metrics.e2e.observe(time.perf_counter() - arrival)
+        state.metrics.e2e.observe(time.perf_counter() - trace.arrival)
         state.metrics.requests.labels(endpoint, status).inc()
         state.metrics.in_flight.dec()
+        trace.output_tokens, trace.ok = max(c.num_output_tokens for c in choices), status == "200"
+        state.end_request(trace, status)
         await merged.aclose()

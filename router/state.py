@@ -4,6 +4,7 @@ on ``app.state.router`` (handlers read it from there; no module globals)."""
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -16,6 +17,7 @@ from router.kv_event_consumer import KVEventConsumer
 from router.metrics import RouterMetrics
 from router.policy import PolicyConfig
 from router.prefix_index import PrefixIndex
+from router.slo_window import RequestTrace, SLOTargets, SLOWindow
 from router.worker_client import WorkerClient
 from router.worker_directory import WorkerDirectory
 from workers.model.open_model import open_model
@@ -42,6 +44,9 @@ class RouterConfig:
     # A streamed response whose client takes no data for this long (its send buffer full) is ended and its
     # request cancelled on every worker.
     client_stall_timeout_s: float = 30.0
+    # What a request must meet (the cluster YAML's slo section), and the window attainment is read over.
+    slo: SLOTargets = SLOTargets(ttft_s=2.0, tpot_s=0.2)
+    slo_window_s: float = 60.0
 
 
 class ClusterShape(NamedTuple):
@@ -61,6 +66,8 @@ class RouterState:
     dispatcher: Dispatcher
     metrics: RouterMetrics
     client: WorkerClient
+    slo: SLOWindow
+    router_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # this router among several
     created: int = field(default_factory=lambda: int(time.time()))  # Unix time the router loaded the model
 
     def require_model(self, model: str) -> None:
@@ -68,6 +75,17 @@ class RouterState:
         if model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model_not_found", "model")
+
+    def end_request(self, trace: RequestTrace, status: str) -> None:
+        """A request ended: into the SLO window and the latency histograms (a client that left counts for
+        neither: its request was neither served nor failed)."""
+        if status == "499":
+            return
+        tpot, _ = self.slo.record(trace, time.perf_counter())
+        if tpot is not None:
+            self.metrics.tpot.observe(tpot)
+        if trace.first_token_at is not None:
+            self.metrics.queue.observe(trace.queue_s)
 
     def cluster_shape(self) -> ClusterShape:
         """Block size and the longest request every decode worker takes; 503 with no decode worker."""

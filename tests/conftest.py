@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 # Without a GPU, Triton kernels run in its interpreter; the flag must be set before they are defined.
@@ -14,6 +15,21 @@ import torch  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_after_each_test():
+    """Each Engine freezes the objects alive when it starts (``gc.freeze``: one engine per worker process keeps
+    collections short). In one pytest process that would keep every earlier test's engines, services and KV
+    caches for good (the suite grew past 24 GB and was killed): unfrozen, the collector frees them."""
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_after_each_module():
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ from workers.service.prefill_clients import RayPrefillClient
 from workers.service.publisher import PublishConfig
 from workers.transport.base import KVTransport
 from workers.transport.factory import make_transport
+from workers.transport.paced import PacedTransport
 
 
 def _build(engine_config: EngineConfig, resources: WorkerResources, transport: str) -> tuple[Engine, KVTransport]:
@@ -38,7 +39,10 @@ def _build(engine_config: EngineConfig, resources: WorkerResources, transport: s
         torch.set_num_threads(resources.torch_threads)
     engine = Engine(engine_config)
     host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    return engine, make_transport(transport, host, engine.runner.device.type)
+    kv_transport = make_transport(transport, host, engine.runner.device.type)
+    if engine_config.timing_profile is not None:  # a timing model's transfers take the real model's time
+        kv_transport = PacedTransport(kv_transport, engine_config.timing_profile, engine_config.block_size)
+    return engine, kv_transport
 
 
 class _WorkerBase:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.protocol.timing_profile import TimingProfile
+
 
 @dataclass
 class EngineConfig:
@@ -42,3 +44,6 @@ class EngineConfig:
     attention_backend: str | None = None
     # Seed of the generator used by requests that bring none.
     seed: int = 0
+    # A timing-model worker (``tandem serve --sim``): no weights, every step takes the time this profile
+    # predicts (workers/model/timing_model.py); the tokenizer and model shape still come from ``model``.
+    timing_profile: TimingProfile | None = None

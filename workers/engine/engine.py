@@ -29,6 +29,7 @@ from workers.engine.request import Request, RequestStatus
 from workers.engine.scheduler import KVReservation, SampledToken, Scheduler
 from workers.engine.structured_output import StructuredOutputs, accept
 from workers.model.llama import LlamaModel
+from workers.model.timing_model import TimingModel
 from workers.model.tokenizer import Tokenizer
 from workers.protocol.errors import CapacityError, InvalidRequestError, QueueFullError
 from workers.protocol.kv_events import KVEvent
@@ -55,6 +56,7 @@ class RequestOutput:
     # On the first output of a request that asked for them: prompt token i + 1's log probability and the
     # likeliest alternatives there.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    queue_seconds: float | None = None  # on a request's first output: its wait for admission
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ class CompletionResult:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | None = None,
+    def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | TimingModel | None = None,
                  tokenizer: Tokenizer | None = None):
         """Load the configured model, or take an already built ``model`` and ``tokenizer`` (tests)."""
         self.config = config = config or EngineConfig()
@@ -311,6 +313,7 @@ class Engine:
             new_top_logprobs=request.output_top_logprobs[-1:] if request.sampling_params.top_logprobs else [],
             prompt_logprobs=(list(request.prompt_logprobs) if request.sampling_params.prompt_logprobs is not None
                              and request.num_output_tokens == 1 else None),
+            queue_seconds=request.queue_seconds if request.num_output_tokens == 1 else None,
         )
 
     # ---- offline convenience ----

@@ -10,11 +10,15 @@ from workers.model.llama import LlamaModel, Weight
 from workers.model.loader import load_state_dict
 from workers.model.open_model import open_model
 from workers.model.quantized_weights import load_quantized
+from workers.model.timing_model import TimingModel
 from workers.model.tokenizer import Tokenizer
 from workers.protocol.errors import ModelLoadError
 
 
-def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer]:
+def load_model(config: EngineConfig) -> tuple[LlamaModel | TimingModel, Tokenizer]:
+    if config.timing_profile is not None:  # no weights: the shape and the tokenizer
+        opened = open_model(config.model)
+        return TimingModel(opened.config, config.timing_profile), Tokenizer.load(opened.source)
     device, dtype = resolve_device_dtype(config)
     quantized = resolve_weight_format(config, device, dtype) == "gguf"
     opened = open_model(config.model)

@@ -17,12 +17,12 @@ from workers.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutp
 from workers.engine.structured_output import accept
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.llama import LlamaModel
+from workers.model.timing_model import TimingModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
+    def __init__(self, model: LlamaModel | TimingModel, num_blocks: int, block_size: int,
                  attention_backend: str | None = None, seed: int = 0, eos_token_id: int | None = None):
-        cfg = model.config
         self.model = model
         self.eos_token_id = eos_token_id  # held back by min_tokens
         self.device = model.device
@@ -31,10 +31,7 @@ class ModelRunner:
         # the first request rather than during it.
         self.attention_backend = kernels.resolve_backend(self.device, attention_backend)
         # One tensor for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
-        self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-            device=self.device, dtype=model.dtype,
-        )
+        self.kv_cache = model.new_kv_cache(num_blocks, block_size)
         self._rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
 

@@ -39,6 +39,7 @@ class Request:
     sampling_params: SamplingParams
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    queue_seconds: float | None = None  # arrival to first admission
     status: RequestStatus = RequestStatus.WAITING
     # Prompt + generated tokens; the last one may not be computed yet (its KV comes next step).
     token_ids: list[int] = field(default_factory=list)

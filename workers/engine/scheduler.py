@@ -238,7 +238,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 self.num_prefix_hit_tokens_total += num_cached
-                out.queue_seconds.append(now - request.arrival_time)
+                request.queue_seconds = now - request.arrival_time
+                out.queue_seconds.append(request.queue_seconds)
             if remote:  # no compute here: the blocks wait for the prefill worker's KV
                 request.status = RequestStatus.WAITING_FOR_KV
                 self.awaiting_kv[request.request_id] = request

@@ -6,6 +6,7 @@
     tandem:<cluster>:kvsnap:<worker>   string msgpack KVSnapshot: every cached block at one seq
     tandem:<cluster>:pools             hash   role -> msgpack PoolTarget (what the pools should be)
     tandem:<cluster>:controller        string msgpack ControllerState; its TTL is the controller's heartbeat
+    tandem:<cluster>:slo               hash   router id -> msgpack SLOReport (router/slo_report.py)
 
 Routers write pool targets (``tandem scale``); the controller in ``tandem serve`` makes the pools follow.
 
@@ -43,6 +44,10 @@ class ClusterKeys:
     @property
     def controller(self) -> str:
         return f"tandem:{self.cluster}:controller"
+
+    @property
+    def slo(self) -> str:
+        return f"tandem:{self.cluster}:slo"
 
 
 @dataclass
@@ -85,3 +90,5 @@ class ControllerState:
     config: dict[str, object]  # the running cluster config, pools as targeted now (``tandem apply`` diffs it)
     starting: list[str] = field(default_factory=list)
     draining: list[str] = field(default_factory=list)
+    # With the autoscaler on: its corrections, the last interval's load and need, its latest decisions.
+    autoscaler: dict[str, object] | None = None

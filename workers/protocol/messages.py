@@ -121,6 +121,8 @@ class TokenChunk:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob) pairs
     # First chunk, where asked for: each prompt token's (after the first) log probability and alternatives.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # First chunk: seconds the request waited on the decode worker before admission (KV blocks, a batch slot).
+    queue_seconds: float | None = None
 
 
 @dataclass

@@ -174,7 +174,8 @@ class DecodeService(EngineService):
         return TokenChunk(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs, out.finished,
                           out.finish_reason, out.stop_reason, out.num_prompt_tokens, out.num_output_tokens,
                           max(out.num_cached_tokens, stream.prefill_cached_tokens),
-                          top_logprobs=out.new_top_logprobs, prompt_logprobs=out.prompt_logprobs)
+                          top_logprobs=out.new_top_logprobs, prompt_logprobs=out.prompt_logprobs,
+                          queue_seconds=out.queue_seconds)
 
     def _fail(self, stream: _Stream, request_id: str, error: BaseException) -> TokenChunk:
         """The stream's last chunk, saying why it ends (what it held is freed already)."""

@@ -1,0 +1,170 @@
+"""The goodput-SLO autoscaler: each interval, from what the routers observed, the pool sizes the SLO needs.
+
+    scaler = Autoscaler(model, AutoscalerSettings(interval_s=15, scale_down_delay_s=120))
+    decisions = scaler.decide(observation, targets)     # [Decision(role, from, to, reason), ...]
+
+- **Predict.** The interval's arrival rate, mean prompt and output lengths (``Observation``), plus the
+  requests already waiting (to be cleared within two intervals), go through the ``CapacityModel``; the
+  fewest workers whose predicted TTFT and TPOT stay within ``up_margin`` of the SLO are what is needed.
+- **Correct.** Each interval with enough finished requests, observed / predicted mean TTFT and TPOT at
+  the current sizes update two correction factors (smoothed, within [0.5, 4]): what the profile misses
+  (router and Ray overhead, another machine) is learned instead of assumed.
+- **Scale up fast, down slowly.** A pool grows as soon as it needs to, by as much as it needs, and also
+  by one when attainment is below target while requests wait (the model was wrong). It shrinks only when
+  ``scale_down_delay_s`` has passed since its last change and every interval of the last
+  ``scale_down_delay_s`` needed fewer workers (at the stricter ``down_margin``), to the most any of them
+  needed; workers leave by draining.
+  A steady load therefore never flaps: a shrink needs a whole quiet delay, and it never goes below
+  what any interval of that delay needed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.capacity_model import CapacityModel, Load
+from router.slo_window import SLOCounts
+from workers.protocol.cluster_keys import ROLES, PoolTarget
+
+MIN_SAMPLES = 5  # finished requests in an interval before its latencies correct the model
+
+
+@dataclass(frozen=True)
+class AutoscalerSettings:
+    interval_s: float = 15.0
+    scale_down_delay_s: float = 120.0
+    attainment: float = 0.9
+    up_margin: float = 0.85  # grow when a prediction passes this share of a target
+    down_margin: float = 0.6  # shrink only to sizes predicted within this share
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One interval of the cluster, as the controller read it from Redis."""
+
+    counts: SLOCounts  # the interval's requests (every router's totals, differenced)
+    waiting: int  # requests queued on workers now
+    live: dict[str, int]  # workers serving now, per role
+
+
+@dataclass(frozen=True)
+class Decision:
+    role: str
+    old: int
+    new: int
+    reason: str
+
+
+@dataclass
+class _RoleState:
+    last_change_at: float | None = None  # the first decision counts as one: a shrink waits a whole delay
+    needs: deque[tuple[float, int]] = field(default_factory=deque)  # (time, workers needed), one delay's worth
+
+    def most_needed(self, now: float, delay_s: float) -> int:
+        while self.needs and self.needs[0][0] < now - delay_s:
+            self.needs.popleft()
+        return max(n for _, n in self.needs)
+
+
+@dataclass
+class Autoscaler:
+    model: CapacityModel
+    settings: AutoscalerSettings
+    corrections: list[float] = field(default_factory=lambda: [1.0, 1.0])  # TTFT, TPOT: observed / predicted
+    last_load: Load | None = None
+    last_needed: dict[str, int] = field(default_factory=dict)
+    _roles: dict[str, _RoleState] = field(default_factory=lambda: {r: _RoleState() for r in ROLES})
+
+    def decide(self, obs: Observation, targets: dict[str, PoolTarget], now: float) -> list[Decision]:
+        load = self._load(obs)
+        self.last_load = load
+        current = {role: targets[role].replicas for role in ROLES}
+        self._correct(obs, load, current)
+        needed = self._needed(load, targets, self.settings.up_margin)
+        relaxed = self._needed(load, targets, self.settings.down_margin)
+        attainment = obs.counts.attainment
+        lagging = attainment is not None and attainment < self.settings.attainment and obs.waiting > 0
+        self.last_needed = needed
+        decisions = []
+        for role in ROLES:
+            target, state = targets[role], self._roles[role]
+            if state.last_change_at is None:
+                state.last_change_at = now
+            have = current[role]
+            if have == 0 and target.max_replicas == 0:
+                continue
+            want = needed[role]
+            reason = f"predicted need {want} at {self._describe(load)}"
+            if want <= have and lagging and role == self._bottleneck(load, current) and have < target.max_replicas:
+                want, reason = have + 1, (f"attainment {attainment:.0%} < {self.settings.attainment:.0%} with "
+                                          f"{obs.waiting} waiting (the model predicted enough)")
+            state.needs.append((now, max(relaxed[role], want)))
+            most = state.most_needed(now, self.settings.scale_down_delay_s)
+            if want > have:
+                decisions.append(Decision(role, have, want, "up: " + reason))
+            elif most < have and now - state.last_change_at >= self.settings.scale_down_delay_s:
+                new = max(most, target.min_replicas)
+                decisions.append(Decision(role, have, new, f"down: at most {new} needed for "
+                                          f"{self.settings.scale_down_delay_s:.0f}s (now {self._describe(load)})"))
+            else:
+                continue
+            state.last_change_at = now
+        return decisions
+
+    # ---- parts ----
+    def _load(self, obs: Observation) -> Load:
+        c = obs.counts
+        interval = max(c.span_s, 1e-9)
+        backlog_rate = obs.waiting / (2 * self.settings.interval_s)  # what waits is cleared in two intervals
+        prompt = c.arrived_prompt_tokens / c.arrived if c.arrived else (self.last_load.prompt_tokens
+                                                                        if self.last_load else 256.0)
+        output = c.output_tokens / c.finished if c.finished else (self.last_load.output_tokens
+                                                                 if self.last_load else 64.0)
+        return Load(c.arrived / interval + backlog_rate, prompt, max(output, 1.0))
+
+    def _needed(self, load: Load, targets: dict[str, PoolTarget], margin: float) -> dict[str, int]:
+        """The fewest workers (within bounds) meeting the SLO at ``margin``; each pool's maximum if none does."""
+        p_bounds = range(targets["prefill"].min_replicas, targets["prefill"].max_replicas + 1)
+        d_bounds = range(max(1, targets["decode"].min_replicas), targets["decode"].max_replicas + 1)
+        best: tuple[int, int] | None = None
+        for p in p_bounds:
+            for d in d_bounds:
+                if (best is None or p + d < sum(best)) and self.model.meets(load, p, d, margin,
+                                                                            tuple(self.corrections)):  # type: ignore[arg-type]
+                    best = (p, d)
+                    break  # more decode workers only add to the sum
+        if best is None:
+            best = (targets["prefill"].max_replicas, targets["decode"].max_replicas)
+        return {"prefill": best[0], "decode": best[1]}
+
+    def _correct(self, obs: Observation, load: Load, current: dict[str, int]) -> None:
+        c = obs.counts
+        if c.ttft_count < MIN_SAMPLES or c.span_s <= 0:
+            return
+        observed_load = Load(c.arrived / c.span_s, load.prompt_tokens, load.output_tokens)
+        p, d = current["prefill"], current["decode"]
+        predicted = (self.model.ttft_s(observed_load, p, d), self.model.tpot_s(observed_load, p, d))
+        # The model's TTFT is a quantile; compare like with like: the observed mean against the model at 50%.
+        mean_model = CapacityModel(self.model.profile, self.model.slo, 0.5, self.model.chunk)
+        predicted = (mean_model.ttft_s(observed_load, p, d), predicted[1])
+        observed = (c.mean_ttft_s, c.mean_tpot_s)
+        for i in range(2):
+            seen, expected = observed[i], predicted[i]
+            if seen is None or not 0 < expected < float("inf"):
+                continue
+            ratio = min(4.0, max(0.5, seen / expected))
+            self.corrections[i] = 0.5 * self.corrections[i] + 0.5 * ratio
+
+    def _bottleneck(self, load: Load, current: dict[str, int]) -> str:
+        """The pool to add to when the model gives no answer: the one whose SLO is missed worse."""
+        if current["prefill"] == 0:
+            return "decode"
+        ttft = self.model.ttft_s(load, current["prefill"], current["decode"]) / self.model.slo.ttft_s
+        tpot = self.model.tpot_s(load, current["prefill"], current["decode"]) / self.model.slo.tpot_s
+        return "prefill" if ttft >= tpot else "decode"
+
+    @staticmethod
+    def _describe(load: Load) -> str:
+        return (f"{load.rate:.2f} req/s, {load.prompt_tokens:.0f} prompt and {load.output_tokens:.0f} output "
+                "tokens each")
