@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from cluster import generate_cmd, scale_cmd, serve_cmd, status_cmd
+from cluster import generate_cmd, plan_cmd, profile_cmd, scale_cmd, serve_cmd, status_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
     status_cmd.add_parser(sub)
+    profile_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)
     scale_cmd.add_parsers(sub)
     sub.add_parser("loadgen", help="goodput under SLOs against any OpenAI-compatible server (see --help)",
                    add_help=False)

@@ -262,7 +262,20 @@ def load_config(path: str | Path | None) -> ClusterConfig:
         raise ConfigError(f"{path}: not YAML: {str(e).splitlines()[0]}") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return parse_config(data)
+    return parse_config(_relative_to(Path(path).parent, data or {}))
+
+
+def _relative_to(folder: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """Profile paths written in a YAML are read from the YAML's folder (as a compose file's are)."""
+    def resolve(value: Any) -> Any:
+        return str(folder / value) if isinstance(value, str) and not Path(value).is_absolute() else value
+
+    if "sim_profile" in data:
+        data["sim_profile"] = resolve(data["sim_profile"])
+    scaler = data.get("autoscaler")
+    if isinstance(scaler, dict) and "profile" in scaler:
+        scaler["profile"] = resolve(scaler["profile"])
+    return data
 
 
 def check_kv_budget(config: ClusterConfig, kv_bytes_per_token: int, model_max_len: int) -> None:

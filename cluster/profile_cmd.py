@@ -8,8 +8,6 @@ import math
 import sys
 from typing import Any
 
-import torch
-
 from cluster.config import ConfigError, load_config
 
 
@@ -23,6 +21,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from cluster.profiler import measure_profile
 
     try:

@@ -60,6 +60,6 @@ class TimingModel:
         rows = logits_indices.long()
         tokens = _FIRST_ORDINARY_TOKEN + (input_ids[rows] * 7919 + positions[rows] * 104729) % self._span
         logits = torch.zeros(len(rows), self.config.vocab_size)
-        logits[torch.arange(len(rows)), tokens] = 30.0  # any sampler settings pick this token
+        logits[torch.arange(len(rows)), tokens] = 100.0  # any sampler settings pick this token
         self._sleep(max(0.0, self.step_seconds(attn) - (time.perf_counter() - started)))
         return logits
