@@ -3,17 +3,19 @@
     scaler = Autoscaler(model, AutoscalerSettings(interval_s=15, scale_down_delay_s=120))
     decisions = scaler.decide(observation, targets)     # [Decision(role, from, to, reason), ...]
 
-- **Predict.** The interval's arrival rate, mean prompt and output lengths (``Observation``), plus the
-  requests already waiting (to be cleared within two intervals), go through the ``CapacityModel``; the
+- **Predict.** The arrival rate and mean prompt and output lengths of the last few intervals
+  (``Observation``), plus the requests already waiting (to be cleared within ``backlog_horizon_s``), go
+  through the ``CapacityModel``; the
   fewest workers whose predicted TTFT and TPOT stay within ``up_margin`` of the SLO are what is needed.
-- **Correct.** Each interval with enough finished requests, observed / predicted mean TTFT and TPOT at
-  the current sizes update two correction factors (smoothed, within [0.5, 4]): what the profile misses
-  (router and Ray overhead, another machine) is learned instead of assumed.
+- **Correct.** Each steady interval (enough finished requests, the pools at their targets for two
+  intervals, no backlog: other latencies belong to no size), observed / predicted mean TTFT and TPOT
+  update two correction factors (smoothed, within [0.5, 4]): what the profile misses (router and Ray
+  overhead, another machine) is learned instead of assumed.
 - **Scale up fast, down slowly.** A pool grows as soon as it needs to, by as much as it needs, and also
   by one when attainment is below target while requests wait (the model was wrong). It shrinks only when
   ``scale_down_delay_s`` has passed since its last change and every interval of the last
   ``scale_down_delay_s`` needed fewer workers (at the stricter ``down_margin``), to the most any of them
-  needed; workers leave by draining.
+  needed, and never while the interval misses the attainment target; workers leave by draining.
   A steady load therefore never flaps: a shrink needs a whole quiet delay, and it never goes below
   what any interval of that delay needed.
 """
@@ -37,6 +39,8 @@ class AutoscalerSettings:
     attainment: float = 0.9
     up_margin: float = 0.85  # grow when a prediction passes this share of a target
     down_margin: float = 0.6  # shrink only to sizes predicted within this share
+    rate_intervals: int = 3  # the arrival rate is read over this many intervals
+    backlog_horizon_s: float = 20.0  # requests already waiting are planned to be cleared within this long
 
 
 @dataclass(frozen=True)
@@ -74,17 +78,26 @@ class Autoscaler:
     corrections: list[float] = field(default_factory=lambda: [1.0, 1.0])  # TTFT, TPOT: observed / predicted
     last_load: Load | None = None
     last_needed: dict[str, int] = field(default_factory=dict)
+    _previous_live: dict[str, int] = field(default_factory=dict)
+    _recent: deque[SLOCounts] = field(default_factory=deque)
     _roles: dict[str, _RoleState] = field(default_factory=lambda: {r: _RoleState() for r in ROLES})
 
     def decide(self, obs: Observation, targets: dict[str, PoolTarget], now: float) -> list[Decision]:
         load = self._load(obs)
         self.last_load = load
         current = {role: targets[role].replicas for role in ROLES}
-        self._correct(obs, load, current)
+        # Latencies say what the current sizes do only in a steady interval: the pools at their targets
+        # since the one before (no worker starting or draining) and no backlog (a queue left from a smaller
+        # pool inflates TTFT for a while after the pool grew).
+        steady = obs.live == current and self._previous_live == current and obs.waiting == 0
+        self._previous_live = dict(obs.live)
+        if steady:
+            self._correct(obs, load, current)
         needed = self._needed(load, targets, self.settings.up_margin)
         relaxed = self._needed(load, targets, self.settings.down_margin)
         attainment = obs.counts.attainment
-        lagging = attainment is not None and attainment < self.settings.attainment and obs.waiting > 0
+        missing = attainment is not None and attainment < self.settings.attainment
+        lagging = missing and obs.waiting > 0
         self.last_needed = needed
         decisions = []
         for role in ROLES:
@@ -95,7 +108,8 @@ class Autoscaler:
             if have == 0 and target.max_replicas == 0:
                 continue
             want = needed[role]
-            reason = f"predicted need {want} at {self._describe(load)}"
+            reason = (f"predicted need {want} at {self._describe(load)}; corrections TTFT x{self.corrections[0]:.2f}, "
+                      f"TPOT x{self.corrections[1]:.2f}")
             if want <= have and lagging and role == self._bottleneck(load, current) and have < target.max_replicas:
                 want, reason = have + 1, (f"attainment {attainment:.0%} < {self.settings.attainment:.0%} with "
                                           f"{obs.waiting} waiting (the model predicted enough)")
@@ -103,7 +117,7 @@ class Autoscaler:
             most = state.most_needed(now, self.settings.scale_down_delay_s)
             if want > have:
                 decisions.append(Decision(role, have, want, "up: " + reason))
-            elif most < have and now - state.last_change_at >= self.settings.scale_down_delay_s:
+            elif most < have and not missing and now - state.last_change_at >= self.settings.scale_down_delay_s:
                 new = max(most, target.min_replicas)
                 decisions.append(Decision(role, have, new, f"down: at most {new} needed for "
                                           f"{self.settings.scale_down_delay_s:.0f}s (now {self._describe(load)})"))
@@ -114,14 +128,19 @@ class Autoscaler:
 
     # ---- parts ----
     def _load(self, obs: Observation) -> Load:
-        c = obs.counts
-        interval = max(c.span_s, 1e-9)
-        backlog_rate = obs.waiting / (2 * self.settings.interval_s)  # what waits is cleared in two intervals
+        """The load over the last ``rate_intervals`` intervals (one interval's Poisson count is noisy: 8
+        arrivals expected, 4 to 13 seen), plus the backlog to clear within ``backlog_horizon_s``."""
+        self._recent.append(obs.counts)
+        while len(self._recent) > self.settings.rate_intervals:
+            self._recent.popleft()
+        c = SLOCounts.merge(self._recent)
+        span = max(sum(r.span_s for r in self._recent), 1e-9)
+        backlog_rate = obs.waiting / max(self.settings.backlog_horizon_s, 2 * self.settings.interval_s)
         prompt = c.arrived_prompt_tokens / c.arrived if c.arrived else (self.last_load.prompt_tokens
                                                                         if self.last_load else 256.0)
         output = c.output_tokens / c.finished if c.finished else (self.last_load.output_tokens
                                                                  if self.last_load else 64.0)
-        return Load(c.arrived / interval + backlog_rate, prompt, max(output, 1.0))
+        return Load(c.arrived / span + backlog_rate, prompt, max(output, 1.0))
 
     def _needed(self, load: Load, targets: dict[str, PoolTarget], margin: float) -> dict[str, int]:
         """The fewest workers (within bounds) meeting the SLO at ``margin``; each pool's maximum if none does."""

@@ -23,9 +23,10 @@ def interval(rate: float, prompt: int = 600, output: int = 64, met: float = 1.0,
     return Observation(counts, waiting, {"prefill": 1, "decode": 1})
 
 
-def scaler(delay_s: float = 30.0) -> Autoscaler:
+def scaler(delay_s: float = 30.0, rate_intervals: int = 3) -> Autoscaler:
     model = CapacityModel(linear_profile(), SLO, 0.9)
-    return Autoscaler(model, AutoscalerSettings(interval_s=INTERVAL, scale_down_delay_s=delay_s))
+    return Autoscaler(model, AutoscalerSettings(interval_s=INTERVAL, scale_down_delay_s=delay_s,
+                                                rate_intervals=rate_intervals))
 
 
 def run(scale: Autoscaler, observations: list[Observation], targets: dict[str, PoolTarget],
@@ -55,7 +56,7 @@ def test_a_load_step_grows_at_once_holds_steady_then_shrinks_after_the_delay():
     idle = [interval(0.0) for _ in range(12)]
     assert run(scale, low, targets) == []  # one of each serves the low load
     changes = run(scale, high, targets, start=30.0)
-    assert changes and changes[0][0] == 35.0  # the first interval of the step decides
+    assert changes and changes[0][0] <= 30.0 + 3 * INTERVAL  # within three intervals of the step
     grown = {r: t.replicas for r, t in targets.items()}
     assert grown["prefill"] > 1 or grown["decode"] > 1
     assert all(new > old for _, _, old, new in changes)  # a steady (noisy) load never shrinks the pools
@@ -66,11 +67,11 @@ def test_a_load_step_grows_at_once_holds_steady_then_shrinks_after_the_delay():
 
 
 def test_shrinking_goes_to_the_most_any_interval_of_the_delay_needed():
-    scale = scaler(delay_s=20.0)
+    scale = scaler(delay_s=20.0, rate_intervals=1)
     targets = {"prefill": PoolTarget(6, 1, 8), "decode": PoolTarget(6, 1, 8)}
     loads = [interval(0.2)] * 2 + [interval(3.0)] + [interval(0.2)] * 2
     changes = run(scale, loads, targets, start=100.0)
-    need_at_3 = scale._needed(scale._load(interval(3.0)), targets, 0.6)
+    need_at_3 = scale._needed(scaler(rate_intervals=1)._load(interval(3.0)), targets, 0.6)
     assert [(r, new) for _, r, _, new in changes] == [("prefill", need_at_3["prefill"]),
                                                       ("decode", need_at_3["decode"])]
 
@@ -86,8 +87,13 @@ def test_attainment_below_target_with_a_queue_adds_a_worker_even_when_the_model_
 def test_latencies_slower_than_predicted_raise_the_correction_and_the_need():
     fast, slow = scaler(), scaler()
     targets = {"prefill": PoolTarget(1, 1, 8), "decode": PoolTarget(1, 1, 8)}
-    fast.decide(interval(2.0, ttft_s=0.2, tpot_s=0.04), dict(targets), 5.0)
-    slow.decide(interval(2.0, ttft_s=2.0, tpot_s=0.2), dict(targets), 5.0)
+    for now in (5.0, 10.0):  # the second interval is steady: the pools were at their targets for the first too
+        fast.decide(interval(2.0, ttft_s=0.2, tpot_s=0.04), dict(targets), now)
+        slow.decide(interval(2.0, ttft_s=2.0, tpot_s=0.2), dict(targets), now)
+    backlog = scaler()
+    for now in (5.0, 10.0):  # requests waiting: their latencies are not the pools' own
+        backlog.decide(interval(2.0, ttft_s=2.0, tpot_s=0.2, waiting=3), dict(targets), now)
+    assert backlog.corrections == [1.0, 1.0]
     assert slow.corrections[0] > fast.corrections[0] and slow.corrections[1] > fast.corrections[1]
     assert sum(slow.last_needed.values()) > sum(fast.last_needed.values())
 

@@ -19,6 +19,7 @@ from loadgen.tokens import TokenText, WordTokenizer
 from loadgen.workload import LengthSpec, WorkloadSpec, build_workload
 from tests.cluster.processes import start_serve, stop_group, wait_ready
 from tests.cluster.profiles import linear_profile
+from tests.router.serve import free_port as free_tcp_port
 
 INTERVAL_S = 2.0
 DELAY_S = 10.0
@@ -34,7 +35,7 @@ def write_cluster(tmp_path: Path, port: int) -> Path:
     profile_path = tmp_path / "profile.json"
     profile.save(profile_path)
     pool = {"replicas": 1, "min_replicas": 1, "resources": {"num_cpus": 0.25, "torch_threads": 1}}
-    config = {"name": "simtest", "sim_profile": str(profile_path),
+    config = {"name": "simtest", "sim_profile": str(profile_path), "model": {"served_name": "tandem-sim"},
               "prefill": {**pool, "max_replicas": 3}, "decode": {**pool, "max_replicas": 4},
               "ray": {"num_cpus": 4}, "router": {"port": port},
               "slo": {"ttft_ms": 1000, "tpot_ms": 100},
@@ -57,7 +58,8 @@ def status(url: str) -> dict:  # type: ignore[type-arg]
     return httpx.get(f"{url}/cluster/status", timeout=10).json()
 
 
-def test_a_load_step_grows_the_pools_then_they_shrink_back(tmp_path, free_port):
+def test_a_load_step_grows_the_pools_then_they_shrink_back(tmp_path):
+    free_port = free_tcp_port()
     url = f"http://127.0.0.1:{free_port}"
     log = tmp_path / "serve.log"
     proc = start_serve(log, "-c", str(write_cluster(tmp_path, free_port)), "--sim",
@@ -82,6 +84,8 @@ def test_a_load_step_grows_the_pools_then_they_shrink_back(tmp_path, free_port):
     failed = [r.error for r in low + high if not r.ok]
     assert failed == [], failed[:5]
     decisions = final["autoscaler"]["decisions"]
+    for d in decisions:
+        print(f"{d['at'] - high_start:+7.1f} s  {d['role']} {d['from']} -> {d['to']}: {d['reason']}")
     ups = [d for d in decisions if d["to"] > d["from"]]
     downs = [d for d in decisions if d["to"] < d["from"]]
     assert ups and min(d["at"] for d in ups) <= high_start + 3 * INTERVAL_S + 1, decisions
