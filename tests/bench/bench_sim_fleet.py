@@ -51,7 +51,7 @@ def main() -> None:
         port = s.getsockname()[1]
     pool = {"min_replicas": 0, "resources": {"num_cpus": 0.05, "torch_threads": 1}}
     config = {"name": "fleet", "model": {"served_name": "tandem-sim"},
-              "prefill": {**pool, "replicas": args.prefill, "max_replicas": args.prefill},
+              "prefill": {**pool, "replicas": args.prefill, "max_replicas": max(args.prefill, 1)},
               "decode": {**pool, "replicas": args.decode, "min_replicas": 1, "max_replicas": args.decode},
               "ray": {"num_cpus": 4}, "router": {"port": port}, "slo": {"ttft_ms": 1000, "tpot_ms": 100}}
     (tmp / "cluster.yaml").write_text(yaml.safe_dump(config))
