@@ -34,6 +34,10 @@ class SimSpec:
     input_jitter: float = 0.0  # uniform +- share of input_len (loadgen's uniform:LO:HI)
     seed: int = 0
     max_num_batched_tokens: int = 8192
+    # Observed / profiled time of prompt and decode work where the engine serves (the corrections a running
+    # cluster's autoscaler reports: Ray, the router and the client on the same cores cost time too).
+    prefill_scale: float = 1.0
+    decode_scale: float = 1.0
 
 
 @dataclass
@@ -123,7 +127,9 @@ def simulate(profile: TimingProfile, spec: SimSpec, prefill: int, decode: int) -
             chunks.append((req, n))
             left -= n
         w.busy = True
-        push(now + profile.step_s(contexts, [(n, r.done_prompt) for r, n in chunks]), "decode_step", i, chunks)
+        step = (profile.step_s(contexts, []) * spec.decode_scale
+                + profile.step_s([], [(n, r.done_prompt) for r, n in chunks]) * spec.prefill_scale)
+        push(now + step, "decode_step", i, chunks)
 
     def start_prefill(i: int, now: float) -> None:
         w = prefills[i]
@@ -137,7 +143,8 @@ def simulate(profile: TimingProfile, spec: SimSpec, prefill: int, decode: int) -
             chunks.append((req, n))
             left -= n
         w.busy = True
-        push(now + profile.step_s([], [(n, r.done_prompt) for r, n in chunks]), "prefill_step", i, chunks)
+        step = profile.step_s([], [(n, r.done_prompt) for r, n in chunks]) * spec.prefill_scale
+        push(now + step, "prefill_step", i, chunks)
 
     end = 0.0
     while events:

@@ -66,7 +66,7 @@ class ResourcesSection(_Strict):
 class PoolSection(_Strict):
     replicas: int = Field(default=1, ge=0)
     min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=4, ge=1)
+    max_replicas: int = Field(default=4, ge=0)  # prefill 0: never disaggregate (the autoscaler adds none)
     # A worker removed from the pool finishes its in-flight requests for up to this long, then stops.
     drain_timeout_s: float = Field(default=300.0, gt=0)
     resources: ResourcesSection = Field(default_factory=ResourcesSection)
@@ -194,6 +194,12 @@ class ClusterConfig(_Strict):
             except ProfileError as e:
                 raise ValueError(str(e)) from None
         return path
+
+    @model_validator(mode="after")
+    def _some_decode_worker(self) -> ClusterConfig:
+        if self.decode.max_replicas < 1:
+            raise ValueError("decode.max_replicas must be at least 1: decode workers serve every request")
+        return self
 
     @model_validator(mode="after")
     def _autoscaler_has_a_profile(self) -> ClusterConfig:

@@ -29,6 +29,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLO")
     p.add_argument("--max-workers", type=int, default=24)
     p.add_argument("--num-requests", type=int, default=600, help="requests simulated per split")
+    p.add_argument("--corrections", metavar="TTFT,TPOT", help="scale the profile's prompt and decode times by these "
+                   "(a running cluster's autoscaler.corrections in tandem status, on this hardware)")
     p.add_argument("--prefill", type=int, help="with --decode: predict this split instead of searching")
     p.add_argument("--decode", type=int)
     p.add_argument("--json", action="store_true", help='print {"prefill": P, "decode": D, ...} only')
@@ -46,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"tandem plan: {problem}", file=sys.stderr)
         return 2
-    spec = SimSpec(args.rate, args.input_len, args.output_len, args.num_requests, args.input_jitter)
+    ttft_scale, tpot_scale = _corrections(args.corrections)
+    spec = SimSpec(args.rate, args.input_len, args.output_len, args.num_requests, args.input_jitter,
+                   prefill_scale=ttft_scale, decode_scale=tpot_scale)
     slo = SLOTargets(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     if args.decode is not None:
         plan: Plan | None = predict(profile, spec, slo, args.prefill or 0, args.decode)
@@ -67,6 +71,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _corrections(text: str | None) -> tuple[float, float]:
+    if text is None:
+        return 1.0, 1.0
+    ttft, tpot = (float(x) for x in text.split(","))
+    return ttft, tpot
+
+
 def _check(args: argparse.Namespace) -> str | None:
     if (args.prefill is None) != (args.decode is None) and args.decode is None:
         return "--prefill needs --decode"
@@ -75,6 +86,12 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be positive"
     if not 0 < args.attainment <= 1:
         return "--attainment must be in (0, 1]"
+    if args.corrections is not None:
+        try:
+            if min(_corrections(args.corrections)) <= 0:
+                raise ValueError
+        except ValueError:
+            return "--corrections takes two positive numbers: TTFT,TPOT (e.g. 1.2,2.5)"
     return None
 
 

@@ -6,11 +6,12 @@ transfers) around it, so the control plane can be run and tested with 32+ worker
     logits = model.forward(input_ids, positions, kv_cache, attn, logits_indices)   # sleeps, then one-hot rows
 
 Each step takes ``profile.step_s`` of what it was given (decode rows at their contexts, prompt chunks
-after their cached tokens), the engine's own work between back-to-back steps included, and returns logits that pick a cheap deterministic token: one
-that depends only on the row's input token and position, never a special token (no EOS: a request
-runs to its max_tokens or a stop rule). Its KV cache has the real block count and one float per
-(block, layer): transfers carry block lists of the real length, and the transport paces them to the
-profile's time for the real bytes (``workers.transport.paced``).
+after their cached tokens), the engine's own work between back-to-back steps included, and returns
+logits that pick a cheap deterministic token: one that depends only on the row's input token and
+position, never a special token (no EOS: a request runs to its max_tokens or a stop rule). Its KV
+cache has the real block count and one float per (block, layer): transfers carry block lists of the
+real length, and the transport paces them to the profile's time for the real bytes
+(``workers.transport.paced``).
 """
 
 from __future__ import annotations
