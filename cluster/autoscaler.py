@@ -146,13 +146,12 @@ class Autoscaler:
         """The fewest workers (within bounds) meeting the SLO at ``margin``; each pool's maximum if none does."""
         p_bounds = range(targets["prefill"].min_replicas, targets["prefill"].max_replicas + 1)
         d_bounds = range(max(1, targets["decode"].min_replicas), targets["decode"].max_replicas + 1)
+        corrections = (self.corrections[0], self.corrections[1])
         best: tuple[int, int] | None = None
-        for p in p_bounds:
-            for d in d_bounds:
-                if (best is None or p + d < sum(best)) and self.model.meets(load, p, d, margin,
-                                                                            tuple(self.corrections)):  # type: ignore[arg-type]
-                    best = (p, d)
-                    break  # more decode workers only add to the sum
+        for p in p_bounds:  # for each prefill count, the fewest decode workers that meet, if any do
+            d = next((d for d in d_bounds if self.model.meets(load, p, d, margin, corrections)), None)
+            if d is not None and (best is None or p + d < sum(best)):
+                best = (p, d)
         if best is None:
             best = (targets["prefill"].max_replicas, targets["decode"].max_replicas)
         return {"prefill": best[0], "decode": best[1]}
@@ -163,10 +162,9 @@ class Autoscaler:
             return
         observed_load = Load(c.arrived / c.span_s, load.prompt_tokens, load.output_tokens)
         p, d = current["prefill"], current["decode"]
-        predicted = (self.model.ttft_s(observed_load, p, d), self.model.tpot_s(observed_load, p, d))
         # The model's TTFT is a quantile; compare like with like: the observed mean against the model at 50%.
-        mean_model = CapacityModel(self.model.profile, self.model.slo, 0.5, self.model.chunk)
-        predicted = (mean_model.ttft_s(observed_load, p, d), predicted[1])
+        median_model = CapacityModel(self.model.profile, self.model.slo, 0.5, self.model.chunk)
+        predicted = (median_model.ttft_s(observed_load, p, d), self.model.tpot_s(observed_load, p, d))
         observed = (c.mean_ttft_s, c.mean_tpot_s)
         for i in range(2):
             seen, expected = observed[i], predicted[i]

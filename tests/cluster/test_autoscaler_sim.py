@@ -90,7 +90,10 @@ def test_a_load_step_grows_the_pools_then_they_shrink_back(tmp_path):
     downs = [d for d in decisions if d["to"] < d["from"]]
     assert ups and min(d["at"] for d in ups) <= high_start + 3 * INTERVAL_S + 1, decisions
     assert all(high_start - 1 <= d["at"] <= idle_start + 1 for d in ups), decisions  # up only in the step
-    assert downs and all(d["at"] >= idle_start + DELAY_S - 1 for d in downs), decisions  # down only when idle
+    # Down only after a whole delay without need: a pool over-grown by a burst may come back down late in the
+    # step (the one change of direction the step allows), the rest once idle.
+    assert downs and max(d["at"] for d in downs) >= idle_start, decisions
+    assert all(d["at"] >= high_start + DELAY_S for d in downs), decisions
     for role in ("prefill", "decode"):  # one change of direction at most: ups, then downs
         moves = ["up" if d["to"] > d["from"] else "down" for d in decisions if d["role"] == role]
         assert moves == sorted(moves, key=lambda m: m == "down"), (role, moves)
