@@ -13,22 +13,25 @@ import argparse
 import asyncio
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
-from cluster.cluster_sim import SimSpec
-from cluster.planner import predict
-from loadgen.client import ClientConfig
-from loadgen.metrics import RequestRecord, summarize
-from loadgen.runner import run_workload
-from loadgen.tokens import TokenText, load_tokenizer
-from loadgen.workload import LengthSpec, WorkloadSpec, build_workload
-from router.slo_window import SLOTargets
-from tests.cluster.processes import start_serve, stop_group, wait_ready
-from tests.cluster.profiles import linear_profile
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cluster.cluster_sim import SimSpec  # noqa: E402
+from cluster.planner import predict  # noqa: E402
+from loadgen.client import ClientConfig  # noqa: E402
+from loadgen.metrics import RequestRecord, summarize  # noqa: E402
+from loadgen.runner import run_workload  # noqa: E402
+from loadgen.tokens import TokenText, load_tokenizer  # noqa: E402
+from loadgen.workload import LengthSpec, WorkloadSpec, build_workload  # noqa: E402
+from router.slo_window import SLOTargets  # noqa: E402
+from tests.cluster.processes import start_serve, stop_group, wait_ready  # noqa: E402
+from tests.cluster.profiles import linear_profile  # noqa: E402
 
 SLO = SLOTargets(ttft_s=1.0, tpot_s=0.1)
 
