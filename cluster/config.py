@@ -14,7 +14,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from kernels.host_math import cdiv
 from router.auth import AuthConfig
 from router.policy import PolicyConfig
 from workers.engine.config import EngineConfig
@@ -294,7 +293,7 @@ def check_kv_budget(config: ClusterConfig, kv_bytes_per_token: int, model_max_le
             continue
         block_bytes = kv_bytes_per_token * engine.block_size
         num_blocks = engine.kv_cache_bytes // block_bytes
-        needed = cdiv(max_len, engine.block_size)
+        needed = -(-max_len // engine.block_size)  # ceil; kernels.host_math would import torch into every CLI call
         if num_blocks < needed:
             raise ConfigError(
                 f"{role}.engine.kv_cache_bytes: {engine.kv_cache_bytes} bytes hold {num_blocks} blocks, but one "
