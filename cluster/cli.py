@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from cluster import generate_cmd, plan_cmd, profile_cmd, scale_cmd, serve_cmd, status_cmd
+from cluster import controller_cmd, generate_cmd, plan_cmd, profile_cmd, router_cmd, scale_cmd, serve_cmd, status_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
+    router_cmd.add_parser(sub)
+    controller_cmd.add_parser(sub)
     status_cmd.add_parser(sub)
     profile_cmd.add_parser(sub)
     plan_cmd.add_parser(sub)

@@ -26,6 +26,32 @@ def say(message: str) -> None:
     print(f"[tandem] {message}", file=sys.stderr, flush=True)
 
 
+class RayConnection:
+    """This process's place in a Ray cluster: a new local one (``address="local"``) or one it joins."""
+
+    def __init__(self, address: str, namespace: str, num_cpus: int | None = None):
+        self.address, self.namespace, self.num_cpus = address, namespace, num_cpus
+        self._started = False
+
+    def start(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return  # a caller's own connection (tests): theirs to end
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs: no token files (see MACHINE.md)
+        say("starting a local Ray cluster" if self.address == "local" else f"joining Ray at {self.address}")
+        ray.init(address=self.address, namespace=self.namespace, include_dashboard=False, num_cpus=self.num_cpus,
+                 log_to_driver=False, runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
+        self._started = True
+
+    def stop(self) -> None:
+        import ray
+
+        if self._started and ray.is_initialized():
+            ray.shutdown()
+        self._started = False
+
+
 class Launcher:
     def __init__(self, config: ClusterConfig):
         self.config = config
@@ -33,7 +59,7 @@ class Launcher:
         self.redis_url = config.redis.url or ""
         self.pools: PoolManager | None = None
         self.controller: PoolController | None = None
-        self._started_ray = False
+        self._ray: RayConnection | None = None
 
     def check_model(self) -> None:
         """Config errors that need the model's shape (KV bytes per token), before anything starts."""
@@ -51,18 +77,14 @@ class Launcher:
         import ray
 
         cfg = self.config
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local runs: no token files (see MACHINE.md)
         if cfg.redis.url is None:
             self.redis = EmbeddedRedis()
             self.redis_url = self.redis.url
             say(f"embedded Redis at {self.redis_url}")
-        if not ray.is_initialized():
-            say("joining Ray at " + cfg.ray.address if cfg.ray.address else "starting a local Ray cluster")
-            # "local": a new cluster of our own, never one a `ray start` left on this machine.
-            ray.init(address=cfg.ray.address or "local", namespace=cfg.ray.namespace, include_dashboard=False,
-                     num_cpus=None if cfg.ray.address else self.local_num_cpus(), log_to_driver=False,
-                     runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
-            self._started_ray = True
+        # "local": a new cluster of our own, never one a `ray start` left on this machine.
+        self._ray = RayConnection(cfg.ray.address or "local", cfg.ray.namespace,
+                                  None if cfg.ray.address else self.local_num_cpus())
+        self._ray.start()
         self._warn_missing_resources(ray.cluster_resources())
         self.pools = PoolManager(cfg, self.redis_url, say)
         for role in ROLES:
@@ -109,11 +131,10 @@ class Launcher:
         if self.controller is not None:
             self.controller.stop()
             self.controller = None
-        if ray.is_initialized():
-            if self.pools is not None:
-                self.pools.stop()
-            if self._started_ray:
-                ray.shutdown()
+        if ray.is_initialized() and self.pools is not None:
+            self.pools.stop()
+        if self._ray is not None:
+            self._ray.stop()
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

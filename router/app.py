@@ -26,6 +26,7 @@ from router.dispatch import Dispatcher
 from router.errors import install_error_handlers
 from router.kv_event_consumer import KVEventConsumer
 from router.metrics import RouterMetrics, merge_expositions
+from router.metrics_lease import holds_metrics_lease, release_metrics_lease
 from router.openai_api import api
 from router.pool_api import pools_api, read_controller, read_targets
 from router.prefix_index import PrefixIndex
@@ -47,14 +48,15 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
         tok, default_name = (tokenizer, "tandem") if tokenizer is not None else load_tokenizer(config.model)
         redis = aioredis.Redis.from_url(config.redis_url, socket_connect_timeout=2.0)
         keys = ClusterKeys(config.cluster)
-        metrics = RouterMetrics()
+        model_name = config.served_model_name or default_name
+        metrics = RouterMetrics(model_name)
         index = PrefixIndex()
         directory = WorkerDirectory(redis, keys, config.poll_interval_s)
         consumer = KVEventConsumer(redis, keys, index)
         directory.on_removed.extend([consumer.forget, client.forget])
         dispatcher = Dispatcher(directory, index, client, config.policy, metrics, config.approx_ttl_s,
                                 config.max_failovers)
-        state = RouterState(config, config.served_model_name or default_name, tok, redis, directory, index,
+        state = RouterState(config, model_name, tok, redis, directory, index,
                             consumer, dispatcher, metrics, client, SLOWindow(config.slo, config.slo_window_s))
         app.state.router = state
         await directory.start()
@@ -69,6 +71,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(aioredis.RedisError):
                 await redis.hdel(keys.slo, state.router_id)
+            await release_metrics_lease(redis, keys, state.router_id)
             await directory.stop()
             await redis.aclose()
 
@@ -125,7 +128,9 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
     async def metrics(request: Request) -> Response:
         state: RouterState = request.app.state.router
         _update_gauges(state, *await _pools(state))
-        worker_ids = list(state.directory.workers)
+        keys = ClusterKeys(state.config.cluster)
+        exports_workers = await holds_metrics_lease(state.redis, keys, state.router_id)
+        worker_ids = list(state.directory.workers) if exports_workers else []
         results = await asyncio.gather(
             *(asyncio.wait_for(state.client.metrics(w), state.config.metrics_timeout_s) for w in worker_ids),
             return_exceptions=True)

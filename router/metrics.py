@@ -2,7 +2,8 @@
 
 Workers keep their own registries (``workers.service.metrics``); ``/metrics`` on a router returns its own
 families followed by the workers', with samples of the same family from different workers joined
-under one HELP/TYPE header, so one scrape shows the cluster.
+under one HELP/TYPE header, so one scrape shows the cluster. With several routers, only the holder of the
+metrics lease (``router.metrics_lease``) adds the workers' families: each worker series comes once.
 """
 
 from __future__ import annotations
@@ -18,27 +19,43 @@ from router.slo_window import SLOCounts
 
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LENGTH_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = r = CollectorRegistry()
+        model = {"model_name": model_name}
+
+        def per_request(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(**model)
+
         self.requests = Counter("tandem_router_requests", "HTTP requests finished", ["endpoint", "status"],
                                 registry=r)
-        self.ttft = Histogram("tandem_router_ttft_seconds", "Arrival to first token, seen by the router",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("tandem_router_tpot_seconds", "Per request: (E2E - TTFT) / (output tokens - 1)",
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.queue = Histogram("tandem_router_queue_seconds", "Per request: the decode worker's wait before "
-                               "admission (KV blocks, a batch slot)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = per_request("tandem_router_ttft_seconds", "Arrival to first token, seen by the router",
+                                _LATENCY_BUCKETS)
+        self.tpot = per_request("tandem_router_tpot_seconds", "Per request: (E2E - TTFT) / (output tokens - 1)",
+                                _TPOT_BUCKETS)
+        self.itl = per_request("tandem_router_itl_seconds", "Gap between consecutive tokens of a stream (a chunk "
+                               "of n tokens counts n gaps of a n-th of its wait)", _TPOT_BUCKETS)
+        self.queue = per_request("tandem_router_queue_seconds", "Per request: the decode worker's wait before "
+                                 "admission (KV blocks, a batch slot)", _LATENCY_BUCKETS)
+        self.prefill_time = per_request("tandem_router_prefill_seconds", "Per request: admission to first token "
+                                        "(TTFT less the queue: the prompt's compute and KV transfer)",
+                                        _LATENCY_BUCKETS)
+        self.decode_time = per_request("tandem_router_decode_seconds", "Per request: first token to last",
+                                       _LATENCY_BUCKETS)
+        self.prompt_lengths = per_request("tandem_router_request_prompt_tokens", "Prompt tokens per request",
+                                          _LENGTH_BUCKETS)
+        self.output_lengths = per_request("tandem_router_request_output_tokens", "Output tokens per request (the "
+                                          "longest choice)", _LENGTH_BUCKETS)
         self.slo_attainment = Gauge("tandem_router_slo_attainment", "Share of requests that met the TTFT and TPOT "
                                     "SLOs over the window (this router's)", registry=r)
         self.goodput = Gauge("tandem_router_goodput_requests_per_second", "Requests per second that met the SLOs "
                              "over the window (this router's)", registry=r)
         self.arrival_rate = Gauge("tandem_router_arrival_requests_per_second", "Valid requests per second over "
                                   "the window (this router's)", registry=r)
-        self.e2e = Histogram("tandem_router_e2e_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS,
-                             registry=r)
+        self.e2e = per_request("tandem_router_e2e_seconds", "Arrival to last token", _LATENCY_BUCKETS)
         self.in_flight = Gauge("tandem_router_requests_in_flight", "Requests being served", registry=r)
         self.routes = Counter("tandem_router_routes", "Routing decisions", ["prefill"], registry=r)
         self.rejections = Counter("tandem_router_rejections", "Requests refused before their first token, by "
@@ -74,6 +91,10 @@ class RouterMetrics:
             self.slo_attainment.set(counts.attainment)
         self.goodput.set(counts.goodput_rps)
         self.arrival_rate.set(counts.rate(counts.arrived))
+
+    def tokens_arrived(self, gap_s: float, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            self.itl.observe(gap_s / num_tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
 
 from fastapi import APIRouter, Request
@@ -161,7 +161,7 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
     trace.first_token_at = time.perf_counter()
     trace.queue_s = firsts[0].queue_seconds or 0.0
     state.metrics.ttft.observe(trace.first_token_at - trace.arrival)
-    merged = _merge(list(zip(firsts, streams, strict=True)))
+    merged = _merge(list(zip(firsts, streams, strict=True)), state.metrics.tokens_arrived)
     if body.stream:
         return EventStreamResponse(_stream(state, choices, merged, body.include_usage, trace,
                                            request.scope["path"]), headers={"Cache-Control": "no-cache"},
@@ -204,31 +204,36 @@ async def _first_chunks(streams: list[AsyncGenerator[TokenChunk, None]]) -> list
         raise
 
 
-async def _merge(streams: list[tuple[TokenChunk, AsyncGenerator[TokenChunk, None]]]
-                 ) -> AsyncGenerator[tuple[int, TokenChunk | APIError], None]:
+async def _merge(streams: list[tuple[TokenChunk, AsyncGenerator[TokenChunk, None]]],
+                 on_tokens: Callable[[float, int], None]) -> AsyncGenerator[tuple[int, TokenChunk | APIError], None]:
     """Every choice's chunks as they come, each with its choice's index; a stream that breaks mid-way (the
-    worker went away) gives its ``APIError`` as its last item. Closing this closes every stream."""
+    worker went away) gives its ``APIError`` as its last item. Closing this closes every stream.
+    ``on_tokens(gap_s, n)``: a chunk of n tokens came gap_s after its stream's previous one (ITL)."""
     if len(streams) == 1:  # one choice: no task or queue in its path
         first, chunks = streams[0]
+        timed = _timed(chunks, on_tokens)
         try:
             yield 0, first
-            async for chunk in chunks:
+            async for chunk in timed:
                 yield 0, chunk
         except APIError as e:
             yield 0, e
         finally:
+            await timed.aclose()
             await chunks.aclose()
         return
     queue: asyncio.Queue[tuple[int, TokenChunk | APIError | None]] = asyncio.Queue()
 
     async def pump(index: int, first: TokenChunk, chunks: AsyncGenerator[TokenChunk, None]) -> None:
+        timed = _timed(chunks, on_tokens)
         try:
             queue.put_nowait((index, first))
-            async for chunk in chunks:
+            async for chunk in timed:
                 queue.put_nowait((index, chunk))
         except APIError as e:
             queue.put_nowait((index, e))
         finally:
+            await timed.aclose()
             await chunks.aclose()
             queue.put_nowait((index, None))
 
@@ -246,6 +251,18 @@ async def _merge(streams: list[tuple[TokenChunk, AsyncGenerator[TokenChunk, None
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _timed(chunks: AsyncGenerator[TokenChunk, None], on_tokens: Callable[[float, int], None]
+                 ) -> AsyncGenerator[TokenChunk, None]:
+    """The chunks after a stream's first, each one's tokens reported with the wait since the one before."""
+    last = time.perf_counter()
+    async for chunk in chunks:
+        now = time.perf_counter()
+        if chunk.token_ids:
+            on_tokens(now - last, len(chunk.token_ids))
+            last = now
+        yield chunk
 
 
 async def _first_chunk(chunks: AsyncGenerator[TokenChunk, None]) -> TokenChunk:

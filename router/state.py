@@ -84,8 +84,13 @@ class RouterState:
         tpot, _ = self.slo.record(trace, time.perf_counter())
         if tpot is not None:
             self.metrics.tpot.observe(tpot)
+        if trace.prompt_tokens is not None:
+            self.metrics.prompt_lengths.observe(trace.prompt_tokens)
         if trace.first_token_at is not None:
             self.metrics.queue.observe(trace.queue_s)
+            self.metrics.prefill_time.observe(max(0.0, trace.first_token_at - trace.arrival - trace.queue_s))
+            self.metrics.decode_time.observe(time.perf_counter() - trace.first_token_at)
+            self.metrics.output_lengths.observe(trace.output_tokens)
 
     def cluster_shape(self) -> ClusterShape:
         """Block size and the longest request every decode worker takes; 503 with no decode worker."""

@@ -143,7 +143,7 @@ def test_serve_refuses_a_bad_config_in_one_line(tmp_path):
 def test_a_stuck_router_shutdown_still_stops_the_workers_and_exits():
     from types import SimpleNamespace
 
-    from cluster.serve_cmd import bounded_shutdown
+    from cluster.router_runner import bounded_shutdown
 
     events: list[str] = []
     server = SimpleNamespace(should_exit=True, servers=[])

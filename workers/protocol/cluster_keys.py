@@ -49,6 +49,11 @@ class ClusterKeys:
     def slo(self) -> str:
         return f"tandem:{self.cluster}:slo"
 
+    @property
+    def metrics_lease(self) -> str:
+        """The id of the router that exports the workers' metrics (one, however many are scraped)."""
+        return f"tandem:{self.cluster}:metrics-lease"
+
 
 @dataclass
 class WorkerInfo:
