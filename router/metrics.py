@@ -16,6 +16,7 @@ from prometheus_client.utils import floatToGoString
 
 from router.policy import Route
 from router.slo_window import SLOCounts
+from workers.protocol.errors import OVERLOADED_KINDS
 
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -61,6 +62,9 @@ class RouterMetrics:
         self.rejections = Counter("tandem_router_rejections", "Requests refused before their first token, by "
                                   "reason (429 queue_full / queue_timeout, 503 no_worker / transfer / unavailable)",
                                   ["reason"], registry=r)
+        for reason in (*(k.removeprefix("overloaded_") for k in OVERLOADED_KINDS), "no_worker", "transfer",
+                       "unavailable"):
+            self.rejections.labels(reason=reason)  # at 0 from the start: a rate() over them needs the series
         self.retries = Counter("tandem_router_retries", "Remote prefills retried locally after a transfer error",
                                registry=r)
         self.failovers = Counter("tandem_router_failovers", "Streams resumed on another decode worker after "

@@ -86,6 +86,7 @@ class EngineStats:
     preemptions_by_cause: dict[str, int]
     prefix_hit_tokens_total: int
     prefill_tokens_total: int
+    prefix_query_tokens_total: int = 0
 
 
 @dataclass
@@ -263,6 +264,7 @@ class Engine:
             preemptions_by_cause=dict(sched.preemptions_by_cause),
             prefix_hit_tokens_total=sched.num_prefix_hit_tokens_total,
             prefill_tokens_total=sched.num_prefill_tokens_total,
+            prefix_query_tokens_total=sched.num_prefix_query_tokens_total,
         )
 
     def num_queued_prefill_tokens(self) -> int:

@@ -90,6 +90,7 @@ class Scheduler:
         # Preemptions by what ran the pool dry: a running request's next token ("decode") or a prompt chunk.
         self.preemptions_by_cause: Counter[str] = Counter()
         self.num_prefix_hit_tokens_total = 0
+        self.num_prefix_query_tokens_total = 0  # prompt tokens looked up in the prefix cache (hits + misses)
         self.num_prefill_tokens_total = 0
 
     @property
@@ -238,6 +239,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 self.num_prefix_hit_tokens_total += num_cached
+                self.num_prefix_query_tokens_total += request.num_tokens
                 request.queue_seconds = now - request.arrival_time
                 out.queue_seconds.append(request.queue_seconds)
             if remote:  # no compute here: the blocks wait for the prefill worker's KV

@@ -33,7 +33,10 @@ class WorkerMetrics:
         self.awaiting_kv = gauge("tandem_requests_awaiting_kv", "Requests whose KV is being prefilled elsewhere")
         self.kv_used = gauge("tandem_kv_blocks_used", "KV blocks held by requests")
         self.kv_total = gauge("tandem_kv_blocks_total", "KV blocks in the pool")
+        self.kv_usage = gauge("tandem_kv_usage_ratio", "Share of the KV pool's blocks held by requests")
         self.hit_tokens = counter("tandem_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
+        self.query_tokens = counter("tandem_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix "
+                                    "cache (the hit rate's denominator)")
         self.prefill_tokens = counter("tandem_prefill_tokens", "Prompt tokens computed")
         self._preemptions = Counter("tandem_preemptions", "Requests preempted for lack of KV blocks, by what needed "
                                     "them (decode: a running request's next token; prefill_chunk: a prompt chunk)",
@@ -58,8 +61,10 @@ class WorkerMetrics:
         self.awaiting_kv.set(stats.num_awaiting_kv)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
+        self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
         last = self._last
         self.hit_tokens.inc(stats.prefix_hit_tokens_total - (last.prefix_hit_tokens_total if last else 0))
+        self.query_tokens.inc(stats.prefix_query_tokens_total - (last.prefix_query_tokens_total if last else 0))
         self.prefill_tokens.inc(stats.prefill_tokens_total - (last.prefill_tokens_total if last else 0))
         for cause, total in stats.preemptions_by_cause.items():
             before = last.preemptions_by_cause.get(cause, 0) if last else 0
