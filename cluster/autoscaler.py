@@ -12,7 +12,8 @@
   update two correction factors (smoothed, within [0.5, 4]): what the profile misses (router and Ray
   overhead, another machine) is learned instead of assumed.
 - **Scale up fast, down slowly.** A pool grows as soon as it needs to, by as much as it needs, and also
-  by one when attainment is below target while requests wait (the model was wrong). It shrinks only when
+  by one when attainment is below target while requests wait (the model was wrong); that step then holds
+  while the arrival rate stays above 80% of the rate that needed it. It shrinks only when
   ``scale_down_delay_s`` has passed since its last change and every interval of the last
   ``scale_down_delay_s`` needed fewer workers (at the stricter ``down_margin``), to the most any of them
   needed, and never while the interval misses the attainment target; workers leave by draining.
@@ -60,10 +61,22 @@ class Decision:
     reason: str
 
 
+# A reactive step's size holds until the arrival rate falls under this share of the rate that needed it.
+REACTIVE_FLOOR_RATE_SHARE = 0.8
+
+
 @dataclass
 class _RoleState:
     last_change_at: float | None = None  # the first decision counts as one: a shrink waits a whole delay
     needs: deque[tuple[float, int]] = field(default_factory=deque)  # (time, workers needed), one delay's worth
+    # After a reactive step (the model said enough, attainment said no): (workers, arrival rate then). The
+    # pool keeps that size while the load stays near that rate, or the model would take the step back.
+    reactive_floor: tuple[int, float] | None = None
+
+    def floor(self, rate: float) -> int:
+        if self.reactive_floor is not None and rate < self.reactive_floor[1] * REACTIVE_FLOOR_RATE_SHARE:
+            self.reactive_floor = None  # the load that needed it has gone
+        return 0 if self.reactive_floor is None else self.reactive_floor[0]
 
     def most_needed(self, now: float, delay_s: float) -> int:
         while self.needs and self.needs[0][0] < now - delay_s:
@@ -113,8 +126,9 @@ class Autoscaler:
             if want <= have and lagging and role == self._bottleneck(load, current) and have < target.max_replicas:
                 want, reason = have + 1, (f"attainment {attainment:.0%} < {self.settings.attainment:.0%} with "
                                           f"{obs.waiting} waiting (the model predicted enough)")
+                state.reactive_floor = (want, load.rate)
             state.needs.append((now, max(relaxed[role], want)))
-            most = state.most_needed(now, self.settings.scale_down_delay_s)
+            most = max(state.most_needed(now, self.settings.scale_down_delay_s), state.floor(load.rate))
             if want > have:
                 decisions.append(Decision(role, have, want, "up: " + reason))
             elif most < have and not missing and now - state.last_change_at >= self.settings.scale_down_delay_s:

@@ -84,6 +84,19 @@ def test_attainment_below_target_with_a_queue_adds_a_worker_even_when_the_model_
     assert [(d.old, d.new) for d in decisions] == [(1, 2)] and "attainment 50% < 90%" in decisions[0].reason
 
 
+def test_a_reactive_step_holds_while_the_load_that_needed_it_lasts():
+    """Seen in the load-step test: +1 on missed attainment, -1 a delay later (the model still said enough),
+    +1 again: a change of direction within one step."""
+    scale = scaler(delay_s=10.0)
+    targets = {"prefill": PoolTarget(1, 1, 8), "decode": PoolTarget(1, 1, 8)}
+    missed = run(scale, [interval(0.5)] * 3 + [interval(0.5, met=0.5, waiting=1)], targets)
+    assert [(old, new) for _, _, old, new in missed] == [(1, 2)]
+    assert run(scale, [interval(0.5)] * 8, targets, start=20.0) == []  # same load, attained: the step holds
+    changes = run(scale, [interval(0.0)] * 8, targets, start=60.0)  # the load has gone: back to the minimum
+    assert changes and all(new < old for _, _, old, new in changes)
+    assert {r: t.replicas for r, t in targets.items()} == {"prefill": 1, "decode": 1}
+
+
 def test_latencies_slower_than_predicted_raise_the_correction_and_the_need():
     fast, slow = scaler(), scaler()
     targets = {"prefill": PoolTarget(1, 1, 8), "decode": PoolTarget(1, 1, 8)}
