@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -134,11 +135,32 @@ def run_once(args: argparse.Namespace, cfg: ClientConfig, spec: WorkloadSpec, te
     total = sum(len(p.turns) for p in workload)
     concurrency = None if spec.rate else (args.concurrency or 1)
     print(f"[loadgen] running {total} requests against {cfg.endpoint}", file=sys.stderr, flush=True)
+    sigint = asyncio.Event()
+
+    async def main() -> float:
+        # Our own Ctrl-C handler: it marks the run interrupted however the cancellation then unwinds (asyncio's
+        # own turns it into KeyboardInterrupt only when the main task ends cancelled; once in a full suite's
+        # run the report said "interrupted": false).
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        assert task is not None
+
+        def on_sigint() -> None:
+            sigint.set()
+            task.cancel()
+
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        try:
+            return await run_workload(cfg, workload, records, concurrency=concurrency, duration_s=args.duration,
+                                      progress=progress)
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+
     with LiveProgress(total, enabled=not args.no_progress) as progress:
         try:
-            duration = asyncio.run(run_workload(cfg, workload, records, concurrency=concurrency,
-                                                duration_s=args.duration, progress=progress))
-        except KeyboardInterrupt:
+            duration = asyncio.run(main())
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            sigint.set()
+        if sigint.is_set():
             interrupted = True
             for r in records:
                 if r.end_s is None:
