@@ -188,3 +188,30 @@ def test_apply_takes_pool_sizes_and_refuses_what_needs_a_restart(serve, tmp_path
     assert "decode-2 ready" not in serve.text()
     done = serve.cli("scale", "decoder=2")
     assert done.returncode == 2 and "expected prefill=N or decode=N" in done.stderr
+
+
+def test_a_router_alone_joins_the_running_cluster_and_serves(serve, tmp_path):
+    """``tandem router``: a second router on the same Ray cluster and Redis (as the chart's router pods run)."""
+    redis_url = re.search(r"embedded Redis at (\S+)", serve.text())[1]  # type: ignore[index]
+    config = tmp_path / "router.yaml"
+    config.write_text(serve.config)
+    port = free_port()
+    log = tmp_path / "router.log"
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "router", "-c", str(config), "--port", str(port),
+                             "--redis", redis_url, "--ray-address", "auto"], stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        deadline = time.monotonic() + 120
+        while "ready: http" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=8, temperature=0,
+                                               messages=[{"role": "user", "content": "Name a colour."}])
+        assert reply.choices[0].message.content and reply.choices[0].finish_reason in ("stop", "length")
+        assert sorted(w["id"] for w in status(url)["workers"]) == sorted(w["id"] for w in status(serve.url)["workers"])
+        wait_until(lambda: (status(url)["slo"]["cluster"] or {}).get("routers") == 2, 10, "both routers' reports")
+    finally:
+        assert stop_group(proc) == (0, False), log.read_text()
