@@ -19,6 +19,7 @@ import heapq
 import itertools
 import random
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from router.slo_window import SLOTargets
@@ -85,6 +86,18 @@ class SimResult:
         return sum(self.met(slo, r) for r in self.requests) / self.duration_s
 
 
+def _prompt_chunks(prompts: Iterable[_Req], chunk: int, budget: int) -> list[tuple[_Req, int]]:
+    """The next step's prompt chunks, first come first served, each up to ``chunk`` tokens, within ``budget``."""
+    chunks = []
+    for req in prompts:
+        n = min(chunk, req.prompt - req.done_prompt, budget)
+        if n <= 0:
+            break
+        chunks.append((req, n))
+        budget -= n
+    return chunks
+
+
 def simulate(profile: TimingProfile, spec: SimSpec, prefill: int, decode: int) -> SimResult:
     rng = random.Random(spec.seed)
     events: list[tuple[float, int, str, int, object]] = []  # (time, tiebreak, kind, worker, payload)
@@ -118,14 +131,7 @@ def simulate(profile: TimingProfile, spec: SimSpec, prefill: int, decode: int) -
         if not w.running and not w.prompting:
             return
         contexts = [r.prompt + r.tokens for r in w.running]
-        left = budget - len(contexts)
-        chunks = []
-        for req in w.prompting:
-            n = min(chunk, req.prompt - req.done_prompt, left)
-            if n <= 0:
-                break
-            chunks.append((req, n))
-            left -= n
+        chunks = _prompt_chunks(w.prompting, chunk, budget - len(contexts))
         w.busy = True
         step = (profile.step_s(contexts, []) * spec.decode_scale
                 + profile.step_s([], [(n, r.done_prompt) for r, n in chunks]) * spec.prefill_scale)
@@ -135,13 +141,7 @@ def simulate(profile: TimingProfile, spec: SimSpec, prefill: int, decode: int) -
         w = prefills[i]
         if w.busy or not w.queue:
             return
-        left, chunks = budget, []
-        for req in w.queue:
-            n = min(chunk, req.prompt - req.done_prompt, left)
-            if n <= 0:
-                break
-            chunks.append((req, n))
-            left -= n
+        chunks = _prompt_chunks(w.queue, chunk, budget)
         w.busy = True
         step = profile.step_s([], [(n, r.done_prompt) for r, n in chunks]) * spec.prefill_scale
         push(now + step, "prefill_step", i, chunks)
