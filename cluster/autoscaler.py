@@ -6,7 +6,8 @@
 - **Predict.** The arrival rate and mean prompt and output lengths of the last few intervals
   (``Observation``), plus the requests already waiting (to be cleared within ``backlog_horizon_s``), go
   through the ``CapacityModel``; the
-  fewest workers whose predicted TTFT and TPOT stay within ``up_margin`` of the SLO are what is needed.
+  fewest workers whose predicted TTFT and TPOT stay within ``up_margin`` of the SLO are what is needed
+  (where no size meets, the fewest past which more workers predict no shorter latencies).
 - **Correct.** Each steady interval (enough finished requests, the pools at their targets for two
   intervals, no backlog: other latencies belong to no size), observed / predicted mean TTFT and TPOT
   update two correction factors (smoothed, within [0.5, 4]): what the profile misses (router and Ray
@@ -63,6 +64,8 @@ class Decision:
 
 # A reactive step's size holds until the arrival rate falls under this share of the rate that needed it.
 REACTIVE_FLOOR_RATE_SHARE = 0.8
+# Where no size meets the SLO, sizes predicted within 5% of the best one are as good as it.
+CLOSEST_SHARE = 1.05
 
 
 @dataclass
@@ -157,7 +160,8 @@ class Autoscaler:
         return Load(c.arrived / span + backlog_rate, prompt, max(output, 1.0))
 
     def _needed(self, load: Load, targets: dict[str, PoolTarget], margin: float) -> dict[str, int]:
-        """The fewest workers (within bounds) meeting the SLO at ``margin``; each pool's maximum if none does."""
+        """The fewest workers (within bounds) meeting the SLO at ``margin``; if none does, the fewest past which
+        more workers would not help (``_closest``)."""
         p_bounds = range(targets["prefill"].min_replicas, targets["prefill"].max_replicas + 1)
         d_bounds = range(max(1, targets["decode"].min_replicas), targets["decode"].max_replicas + 1)
         corrections = (self.corrections[0], self.corrections[1])
@@ -167,8 +171,23 @@ class Autoscaler:
             if d is not None and (best is None or p + d < sum(best)):
                 best = (p, d)
         if best is None:
-            best = (targets["prefill"].max_replicas, targets["decode"].max_replicas)
+            best = self._closest(load, p_bounds, d_bounds, corrections)
         return {"prefill": best[0], "decode": best[1]}
+
+    def _closest(self, load: Load, p_bounds: range, d_bounds: range,
+                 corrections: tuple[float, float]) -> tuple[int, int]:
+        """No size meets: the fewest workers within ``CLOSEST_SHARE`` of the best prediction any size gets.
+        Workers past that shorten no request (an idle cluster whose learned corrections put even one
+        unqueued request over the SLO needs its minimum, not its maximum); under overload that is the most."""
+        def excess(p: int, d: int) -> float:  # the worse of the two predictions, in SLO units
+            return max(self.model.ttft_s(load, p, d) * corrections[0] / self.model.slo.ttft_s,
+                       self.model.tpot_s(load, p, d) * corrections[1] / self.model.slo.tpot_s)
+        sizes = sorted(((p, d) for p in p_bounds for d in d_bounds), key=sum)
+        scores = [excess(p, d) for p, d in sizes]
+        least = min(scores)
+        if least == float("inf"):
+            return p_bounds[-1], d_bounds[-1]
+        return next(size for size, score in zip(sizes, scores, strict=True) if score <= least * CLOSEST_SHARE)
 
     def _correct(self, obs: Observation, load: Load, current: dict[str, int]) -> None:
         c = obs.counts

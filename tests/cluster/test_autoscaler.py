@@ -116,3 +116,17 @@ def test_a_prompt_heavy_load_needs_more_prefill_per_decode_than_an_output_heavy_
     prompt_heavy = scaler()._needed(scaler()._load(interval(6.0, prompt=3000, output=16)), targets, 0.85)
     output_heavy = scaler()._needed(scaler()._load(interval(6.0, prompt=100, output=400)), targets, 0.85)
     assert prompt_heavy["prefill"] / prompt_heavy["decode"] > output_heavy["prefill"] / output_heavy["decode"]
+
+
+def test_pools_grown_under_a_slo_no_size_meets_shrink_back_when_the_load_goes():
+    """Seen in CI: steady intervals far slower than predicted drove the corrections to x2.5, at which even
+    an idle cluster's predicted TTFT missed the SLO; "no size meets" meant "every pool at its maximum", and
+    the pools never came back down. Workers that shorten no request are not needed."""
+    scale = scaler(delay_s=10.0)
+    targets = {"prefill": PoolTarget(1, 1, 4), "decode": PoolTarget(1, 1, 4)}
+    run(scale, [interval(2.0, ttft_s=4.0, tpot_s=0.4)] * 6, targets)
+    assert min(scale.corrections) >= 2.5
+    assert targets["prefill"].replicas > 1 or targets["decode"].replicas > 1
+    changes = run(scale, [interval(0.0)] * 12, targets, start=30.0)
+    assert changes and all(new < old for _, _, old, new in changes)
+    assert {r: t.replicas for r, t in targets.items()} == {"prefill": 1, "decode": 1}
