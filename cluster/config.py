@@ -68,6 +68,9 @@ class PoolSection(_Strict):
     max_replicas: int = Field(default=4, ge=0)  # prefill 0: never disaggregate (the autoscaler adds none)
     # A worker removed from the pool finishes its in-flight requests for up to this long, then stops.
     drain_timeout_s: float = Field(default=300.0, gt=0)
+    # A serving worker that answers no probe for this long (a stalled process, a hung device) is killed and
+    # replaced, which also ends every call still waiting on it; one that dies is replaced at once.
+    unresponsive_timeout_s: float = Field(default=20.0, gt=0)
     resources: ResourcesSection = Field(default_factory=ResourcesSection)
     engine: EngineSection = Field(default_factory=EngineSection)
 

@@ -10,6 +10,9 @@ With an autoscaler, every ``autoscaler.settings.interval_s`` it also reads the c
 the operator's), so a manual scale and the autoscaler meet in one place: the next decision starts from
 whatever the targets are then.
 
+A worker that dies or stops answering is replaced (``PoolManager``); the controller takes it out of the
+registry at once, so routers stop choosing it before its heartbeat would have lapsed.
+
 Its heartbeat key tells routers that someone acts on targets (else they answer 503 to a scale), and
 carries the running config and the workers starting or draining, for ``tandem status`` and ``apply``.
 """
@@ -92,6 +95,10 @@ class PoolController:
 
     def reconcile(self) -> None:
         self.pools.poll()
+        lost, self.pools.lost = self.pools.lost, []
+        if lost:  # routers drop them (and their prefix-index entries) now, not when their heartbeats lapse
+            self._redis.hdel(self.keys.registry, *lost)
+            self._redis.delete(*(self.keys.load(w) for w in lost))
         stored: dict[bytes, bytes] = self._redis.hgetall(self.keys.pool_targets)  # type: ignore[assignment]
         for role in ROLES:
             data = stored.get(role.encode())

@@ -5,6 +5,12 @@
     pools.poll()                  # call now and then: ready workers, finished drains
     pools.scale("decode", 1)      # drains decode-1: it leaves routing, finishes in-flight, exits
 
+A serving worker that dies (its process killed, its node gone) or stops answering (a probe unanswered
+for the pool's ``unresponsive_timeout_s``: a stalled process, a hung device) is lost: it is killed, its
+id goes to ``lost`` (the controller takes it out of the registry), and the next ``scale`` starts its
+replacement. Killing a stalled one also ends the calls waiting on it (a decode worker's remote
+prefill), so nothing waits on it for ever and no late KV write can land.
+
 Nothing here blocks on a worker except ``wait_ready`` (the first start) and ``stop``. Worker ids
 count up per role and are never reused within one run, so a draining actor's name never clashes
 with a new one. The newest workers drain first.
@@ -37,18 +43,23 @@ class _Worker:
     pid: int | None = None
     started_at: float = field(default_factory=time.monotonic)
     slow: bool = False  # said that it is slow to start
+    probe_ref: Any | None = None  # a liveness probe (its load report) in flight
+    probe_sent_at: float = 0.0
 
 
 class PoolManager:
     def __init__(self, config: ClusterConfig, redis_url: str, say: Callable[[str], None] = log.info,
-                 drain_grace_s: float = 1.0, start_retry_s: float = 30.0, slow_start_s: float = 60.0):
+                 drain_grace_s: float = 1.0, start_retry_s: float = 30.0, slow_start_s: float = 60.0,
+                 probe_interval_s: float = 1.0):
         self.config = config
+        self.probe_interval_s = probe_interval_s
         self.redis_url = redis_url
         self.say = say
         self.drain_grace_s = drain_grace_s  # routers poll the registry every 50 ms
         self.start_retry_s = start_retry_s
         self.slow_start_s = slow_start_s
         self._workers: dict[str, _Worker] = {}
+        self.lost: list[str] = []  # workers lost since the owner last took this list (to clear their registry)
         self._next_index = dict.fromkeys(ROLES, 0)
         self._start_failed_at = dict.fromkeys(ROLES, -float("inf"))
 
@@ -117,6 +128,8 @@ class PoolManager:
                          f"Ray node has room for it (needs {need}; free now: "
                          f"{_schedulable(ray.available_resources())})")
             if worker.drain_ref is None:
+                if worker.ready_ref is None:
+                    self._probe(worker, now)
                 continue
             if ray.wait([worker.drain_ref], timeout=0)[0]:
                 try:
@@ -126,6 +139,35 @@ class PoolManager:
                 self._end(worker, outcome)
             elif now > worker.drain_deadline:
                 self._end(worker, "did not finish draining in time; stopping it")
+
+    def _probe(self, worker: _Worker, now: float) -> None:
+        """Ask a serving worker for its load now and then; one that died or stopped answering is lost."""
+        import ray
+
+        if worker.probe_ref is None:
+            if now - worker.probe_sent_at >= self.probe_interval_s:
+                worker.probe_ref, worker.probe_sent_at = worker.handle.load.remote(), now
+            return
+        if ray.wait([worker.probe_ref], timeout=0)[0]:
+            ref, worker.probe_ref = worker.probe_ref, None
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self._lose(worker, f"died ({type(e).__name__})")
+            except Exception as e:  # noqa: BLE001 - it answered, with an error: alive, but say so
+                log.warning("%s: load probe failed: %s", worker.worker_id, e)
+        elif now - worker.probe_sent_at > self.config.pool(worker.role).unresponsive_timeout_s:
+            self._lose(worker, f"has not answered for {now - worker.probe_sent_at:.0f}s")
+
+    def _lose(self, worker: _Worker, why: str) -> None:
+        """A serving worker died or stalled: kill it (ending every call still waiting on it), take it out of
+        the registry, and let the next ``scale`` start its replacement."""
+        import ray
+
+        self.say(f"{worker.worker_id} {why}; stopping it and starting a replacement")
+        ray.kill(worker.handle)
+        self._workers.pop(worker.worker_id)
+        self.lost.append(worker.worker_id)
 
     def _on_ready(self, worker: _Worker) -> None:
         import ray

@@ -16,6 +16,7 @@ write can land in blocks already handed to someone else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -155,15 +156,17 @@ class DecodeService(EngineService):
             self.transport.address(), reservation.block_ids[skip:], skip, self.transfer_timeout_s))
 
     async def _cancel(self, request: GenerateRequest, prefill_call: asyncio.Future[PrefillResult] | None) -> None:
-        """Free everything of an abandoned request, after any in-flight prefill has ended."""
+        """Free everything of an abandoned request, after any in-flight prefill has ended: its KV writes land
+        in the reserved blocks, which must not go to another request while a write may still come. The
+        call ends when the prefill worker finishes, fails its transfer (its own timeout), or is gone (the
+        controller kills one that stops answering)."""
         rid = request.request_id
         if prefill_call is not None and not prefill_call.done():
             assert self.prefill_client is not None and request.prefill_worker is not None
-            try:
+            with contextlib.suppress(BaseException):  # the cancel is a hint; the call's end is what counts
                 await asyncio.wait_for(self.prefill_client.cancel(request.prefill_worker, rid), 5.0)
-                await asyncio.wait_for(asyncio.shield(prefill_call), self.transfer_timeout_s + 5.0)
-            except BaseException:  # noqa: BLE001 - ended, failed or gone: the blocks can go now
-                pass
+            with contextlib.suppress(BaseException):  # ended, failed or gone: the blocks can go now
+                await asyncio.shield(prefill_call)
         await self.loop.run(lambda e: e.abort(rid))
 
     # ---- chunks ----
