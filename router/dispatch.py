@@ -147,7 +147,6 @@ class Dispatcher:
         failed: set[str] = set()
         for failover in range(self.max_failovers + 1):
             last = failover == self.max_failovers
-            ended = False
             try:
                 async with contextlib.aclosing(self._attempts(route, prompt_token_ids, sampling, cache_salt,
                                                               block_size, sent)) as chunks:
@@ -157,8 +156,8 @@ class Dispatcher:
                         sent.extend(chunk.token_ids)
                         ended = chunk.finished or chunk.error is not None
                         yield chunk
-                if ended:
-                    return
+                        if ended:  # read no further: a worker that dies after its last chunk ended nothing
+                            return
                 if last:
                     raise APIError(502, f"decode worker {route.decode_worker!r} ended the stream early", "internal")
                 reason, message = "ended", "the stream ended early"
@@ -171,7 +170,7 @@ class Dispatcher:
             failed.add(route.decode_worker)
             self.metrics.failovers.labels(reason=reason).inc()
             log.warning("decode worker %s failed a stream (%s: %s); resuming it after %d tokens elsewhere",
-                        route.decode_worker, reason, message, len(sent))
+                        route.decode_worker, reason, message.splitlines()[0] if message else "", len(sent))
             route = await self._failover_route(prompt_token_ids + sent, cache_salt, block_size, failed)
 
     async def _failover_route(self, token_ids: list[int], cache_salt: str | None, block_size: int,

@@ -15,7 +15,7 @@ import pytest
 
 from router.policy import PolicyConfig
 from router.state import RouterConfig
-from router.worker_client import LocalWorkerClient
+from router.worker_client import LocalWorkerClient, WorkerUnreachable
 from tests.router.conftest import MODEL
 from tests.router.serve import serve_router
 from workers.protocol.sampling_params import SamplingParams
@@ -117,3 +117,23 @@ def test_failover_is_bounded_then_one_error_event(two_decoders):
     thread.join(timeout=60)
     assert out["status"] == 200 and len(out["errors"]) == 1
     assert "no decode worker" in out["errors"][0]["message"]
+
+
+def test_a_worker_that_dies_after_its_last_chunk_ends_nothing(two_decoders):
+    """Seen in a chaos run: a decode worker killed right after sending a stream's last chunk; the router read on,
+    saw the death, and tried to resume a request that had all its tokens (an error event after the end)."""
+    router, _, _ = two_decoders
+    client = router.app.state.router.dispatcher.client
+    generate = client.generate
+
+    async def dies_after_the_end(decode_worker, request):  # type: ignore[no-untyped-def]
+        async for chunk in generate(decode_worker, request):
+            yield chunk
+        raise WorkerUnreachable(f"decode worker {decode_worker!r} died")
+
+    client.generate = dies_after_the_end
+    progress, out = [0], {}
+    stream_chat(router.url, QUESTIONS[1], {"temperature": 0}, progress, out)
+    assert out["status"] == 200 and out["errors"] == [] and progress[0] > 0
+    metrics = httpx.get(f"{router.url}/metrics", timeout=30).text
+    assert "tandem_router_failovers_total{" not in metrics or 'failovers_total{reason="unreachable"} 0.0' in metrics
