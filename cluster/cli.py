@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     scale_cmd.add_parsers(sub)
     sub.add_parser("loadgen", help="goodput under SLOs against any OpenAI-compatible server (see --help)",
                    add_help=False)
+    sub.add_parser("soak", help="a long run with cancels and worker kills, then leak checks (see --help)",
+                   add_help=False)
     return parser
 
 
@@ -31,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from loadgen.cli import main as loadgen_main
 
         return loadgen_main(argv[1:])
+    if argv[:1] == ["soak"]:
+        from loadgen.soak import main as soak_main
+
+        return soak_main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

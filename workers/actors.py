@@ -67,6 +67,11 @@ class _WorkerBase:
         """The KV block pool's invariants (free list, ref counts, prefix-cache index) hold; raises if not."""
         return await self.service.loop.run(lambda e: e.block_pool.check_integrity())
 
+    def rss_bytes(self) -> int:
+        """The worker process's resident memory (what a soak run watches for leaks)."""
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
     async def drain(self, grace_s: float = 1.0, timeout_s: float = 300.0) -> dict[str, Any]:
         """Leave routing, finish the in-flight requests, stop; the caller then ends the actor."""
         return dataclasses.asdict(await self.service.drain(grace_s, timeout_s))
