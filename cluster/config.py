@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from router.auth import AuthConfig
 from router.policy import PolicyConfig
 from workers.engine.config import EngineConfig
-from workers.protocol.cluster_keys import ROLES
+from workers.protocol.cluster_keys import MAX_POOL_WORKERS, ROLES
 from workers.protocol.timing_profile import ProfileError, TimingProfile
 from workers.resources import WorkerResources
 
@@ -63,9 +63,10 @@ class ResourcesSection(_Strict):
 
 
 class PoolSection(_Strict):
-    replicas: int = Field(default=1, ge=0)
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=4, ge=0)  # prefill 0: never disaggregate (the autoscaler adds none)
+    replicas: int = Field(default=1, ge=0, le=MAX_POOL_WORKERS)
+    min_replicas: int = Field(default=1, ge=0, le=MAX_POOL_WORKERS)
+    # prefill 0: never disaggregate (the autoscaler adds none)
+    max_replicas: int = Field(default=4, ge=0, le=MAX_POOL_WORKERS)
     # A worker removed from the pool finishes its in-flight requests for up to this long, then stops.
     drain_timeout_s: float = Field(default=300.0, gt=0)
     # A serving worker that answers no probe for this long (a stalled process, a hung device) is killed and

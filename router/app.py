@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from router.auth import APIKeyAuth
 from router.body_limit import BodyLimit
 from router.dispatch import Dispatcher
-from router.errors import install_error_handlers
+from router.errors import error_responses, install_error_handlers
 from router.kv_event_consumer import KVEventConsumer
 from router.metrics import RouterMetrics, merge_expositions
 from router.metrics_lease import holds_metrics_lease, release_metrics_lease
@@ -75,7 +75,8 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
             await directory.stop()
             await redis.aclose()
 
-    app = FastAPI(title="Tandem router", lifespan=lifespan)
+    # Every route: a body or key the middleware refuses, or a parameter that fails validation.
+    app = FastAPI(title="Tandem router", lifespan=lifespan, responses=error_responses(400, 401, 413))
     app.add_middleware(APIKeyAuth, config=config.auth)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)  # outermost: before auth reads anything
     install_error_handlers(app)
@@ -87,7 +88,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses=error_responses(503))
     async def ready(request: Request) -> JSONResponse:
         state: RouterState = request.app.state.router
         num_decode, num_prefill = len(state.directory.live("decode")), len(state.directory.live("prefill"))
@@ -124,7 +125,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
             entry["max_model_len"] = min(e.info.max_model_len for e in decoders)
         return {"object": "list", "data": [entry]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format, so documented
     async def metrics(request: Request) -> Response:
         state: RouterState = request.app.state.router
         _update_gauges(state, *await _pools(state))

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from workers.protocol.errors import OVERLOADED_KINDS, InvalidRequestError
@@ -26,6 +27,29 @@ _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_re
 # What a worker's error kind means for the client.
 WORKER_ERROR_STATUS = {"invalid_request": 400, "capacity": 400, "transfer": 503, "unavailable": 503,
                        "internal": 500, **dict.fromkeys(OVERLOADED_KINDS, 429)}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer's body (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+_MEANINGS = {400: "Bad input (the message names the field)", 401: "No valid API key",
+             404: "Unknown model or route", 413: "The body is too large", 429: "Overloaded: retry after Retry-After",
+             503: "No worker of a role (or no pool controller) is up: retry after Retry-After"}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI entries of the errors a route answers with, so that clients and fuzzers know them."""
+    return {status: {"model": ErrorResponse, "description": _MEANINGS[status]} for status in statuses}
 
 
 class APIError(Exception):

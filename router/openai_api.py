@@ -24,7 +24,7 @@ from dataclasses import replace
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from router.errors import WORKER_ERROR_STATUS, APIError
+from router.errors import WORKER_ERROR_STATUS, APIError, error_responses
 from router.responses import DONE_EVENT, Completion, Echo, error_event, likeliest, response_body, usage_event
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.slo_window import RequestTrace
@@ -35,7 +35,7 @@ from workers.protocol.errors import InvalidRequestError
 from workers.protocol.messages import TokenChunk
 from workers.protocol.sampling_params import SamplingParams, check_fits
 
-api = APIRouter()
+api = APIRouter(responses=error_responses(404, 429, 503))
 
 # Tokenizing a huge string takes long; beyond this many characters per allowed token it cannot fit.
 _MAX_CHARS_PER_TOKEN = 32

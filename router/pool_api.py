@@ -17,18 +17,18 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from redis.exceptions import WatchError
 
-from router.errors import APIError
-from workers.protocol.cluster_keys import ROLES, ClusterKeys, ControllerState, PoolTarget
+from router.errors import APIError, error_responses
+from workers.protocol.cluster_keys import MAX_POOL_WORKERS, ROLES, ClusterKeys, ControllerState, PoolTarget
 from workers.protocol.messages import pack, unpack
 
-pools_api = APIRouter()
+pools_api = APIRouter(responses=error_responses(503))
 
 
 class PoolChange(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    replicas: StrictInt | None = Field(default=None, ge=0)
-    min_replicas: StrictInt | None = Field(default=None, ge=0)
-    max_replicas: StrictInt | None = Field(default=None, ge=1)
+    replicas: StrictInt | None = Field(default=None, ge=0, le=MAX_POOL_WORKERS)
+    min_replicas: StrictInt | None = Field(default=None, ge=0, le=MAX_POOL_WORKERS)
+    max_replicas: StrictInt | None = Field(default=None, ge=1, le=MAX_POOL_WORKERS)
 
 
 class ScaleRequest(BaseModel):

@@ -15,12 +15,13 @@ from typing import Annotated
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
+from router.errors import error_responses
 from router.schemas import MAX_TOOLS, STRICT, ChatMessage, ToolDefinition, message_dicts
 from router.state import RouterState
 from router.tool_calls import template_tools
 from workers.protocol.errors import InvalidRequestError
 
-tokenize_api = APIRouter()
+tokenize_api = APIRouter(responses=error_responses(404))
 
 _MAX_CHARS = 1_000_000  # beyond any model length this serves; tokenizing more only costs time
 

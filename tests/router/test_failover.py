@@ -12,6 +12,7 @@ import uuid
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.policy import PolicyConfig
 from router.state import RouterConfig
@@ -99,7 +100,10 @@ def test_streams_go_on_from_another_decode_worker(two_decoders, make_engine, bod
     metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
     assert [o["errors"] for o in outs] == [[]] * 4 and [o["status"] for o in outs] == [200] * 4
     assert [o["text"] for o in outs] == want
-    assert 'tandem_router_failovers_total{reason="unavailable"} 4.0' in metrics
+    # "unavailable" (its stream said it stopped) or, where the stop wins the race, "unreachable": 4 in all
+    failovers = {s.labels["reason"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                 if s.name == "tandem_router_failovers_total"}
+    assert sum(failovers.values()) == 4 and set(failovers) <= {"unavailable", "unreachable"}, failovers
     assert services["d1"].loop.call(lambda e: e.stats().prefill_tokens_total).result(timeout=10) > 0
 
 
@@ -136,4 +140,5 @@ def test_a_worker_that_dies_after_its_last_chunk_ends_nothing(two_decoders):
     stream_chat(router.url, QUESTIONS[1], {"temperature": 0}, progress, out)
     assert out["status"] == 200 and out["errors"] == [] and progress[0] > 0
     metrics = httpx.get(f"{router.url}/metrics", timeout=30).text
-    assert "tandem_router_failovers_total{" not in metrics or 'failovers_total{reason="unreachable"} 0.0' in metrics
+    assert not [s for f in text_string_to_metric_families(metrics) for s in f.samples
+                if s.name == "tandem_router_failovers_total" and s.value > 0]  # nothing was resumed

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ROLES = ("prefill", "decode")  # the two pools; a worker's ``role``
+# The most workers a pool may have (targets cross Redis as msgpack: a bound keeps every size packable).
+MAX_POOL_WORKERS = 4096
 
 
 @dataclass(frozen=True)
