@@ -135,8 +135,11 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
         results = await asyncio.gather(
             *(asyncio.wait_for(state.client.metrics(w), state.config.metrics_timeout_s) for w in worker_ids),
             return_exceptions=True)
-        texts = [state.metrics.exposition()] + [r for r in results if isinstance(r, bytes)]
-        return Response(merge_expositions(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+        workers = [r for r in results if isinstance(r, bytes)]
+        body = merge_expositions([state.metrics.exposition()])
+        if workers:  # the router's and the workers' families are apart: the two still make one exposition
+            body += merge_expositions(workers, {"model_name": state.model_name})
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 

@@ -8,7 +8,7 @@ metrics lease (``router.metrics_lease``) adds the workers' families: each worker
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -104,8 +104,9 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
-def merge_expositions(texts: Iterable[bytes]) -> bytes:
-    """Several Prometheus text expositions as one: each family once, with all its samples."""
+def merge_expositions(texts: Iterable[bytes], extra_labels: Mapping[str, str] | None = None) -> bytes:
+    """Several Prometheus text expositions as one: each family once, with all its samples, each sample also
+    carrying ``extra_labels`` it lacks (the model a worker serves)."""
     families: dict[str, tuple[str, str, list[str]]] = {}
     for text in texts:
         for family in text_string_to_metric_families(text.decode("utf-8")):
@@ -115,7 +116,8 @@ def merge_expositions(texts: Iterable[bytes]) -> bytes:
             for s in family.samples:
                 if s.name.endswith("_created"):
                     continue  # creation timestamps: noise in a merged scrape
-                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
+                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted({**(extra_labels or {}),
+                                                                              **s.labels}.items()))
                 value = floatToGoString(s.value)
                 lines.append(f"{s.name}{{{labels}}} {value}" if labels else f"{s.name} {value}")
     out: list[str] = []

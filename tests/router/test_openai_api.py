@@ -326,8 +326,8 @@ def test_models_health_ready_metrics(local_cluster):
     assert ready["ready"] and ready["decode_workers"] == 1 and ready["prefill_workers"] == 1
     text = httpx.get(f"{router.url}/metrics").text
     assert 'tandem_router_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
-    assert 'tandem_kv_blocks_total{role="decode",worker_id="d0"}' in text
-    assert 'tandem_kv_blocks_total{role="prefill",worker_id="p0"}' in text
+    assert f'tandem_kv_blocks_total{{model_name="{MODEL}",role="decode",worker_id="d0"}}' in text
+    assert f'tandem_kv_blocks_total{{model_name="{MODEL}",role="prefill",worker_id="p0"}}' in text
     assert text.count("# TYPE tandem_kv_blocks_total gauge") == 1
 
 
