@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -36,17 +37,21 @@ from workers.protocol.messages import TokenChunk
 from workers.protocol.sampling_params import SamplingParams, check_fits
 
 api = APIRouter(responses=error_responses(404, 429, 503))
+# A completion: one JSON object, or with "stream": true server-sent events (OpenAI's chunks, then [DONE]).
+_COMPLETION: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The completion, or its chunks as server-sent events",
+    "content": {"application/json": {}, "text/event-stream": {}}}}
 
 # Tokenizing a huge string takes long; beyond this many characters per allowed token it cannot fit.
 _MAX_CHARS_PER_TOKEN = 32
 
 
-@api.post("/v1/chat/completions", response_model=None)
+@api.post("/v1/chat/completions", response_model=None, responses=_COMPLETION)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await _serve(request, body, "chat")
 
 
-@api.post("/v1/completions", response_model=None)
+@api.post("/v1/completions", response_model=None, responses=_COMPLETION)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _serve(request, body, "completion")
 

@@ -3,7 +3,10 @@ workers): a worker that dies (SIGKILL) or stalls (SIGSTOP) at any point of a req
 nothing. A prefill worker lost while it computes a prompt: the decode worker's call to it ends (the
 controller kills a stalled one), the router prefills the prompt on the decode worker instead, and the text
 is the same as an undisturbed run's. A decode worker lost mid-stream: its streams go on elsewhere. Either
-way the controller starts a replacement, and no KV block stays held."""
+way the controller starts a replacement, and no KV block stays held. Then item 6 at a small size on the same
+cluster: ``tandem soak`` with requests cancelled before their first token and mid-stream and a decode worker
+SIGKILLed every few seconds: no request fails, no block is held, every block pool is intact, and the soak's
+report and exit status say so."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -169,3 +174,25 @@ def test_a_decode_worker_lost_mid_stream_is_replaced_and_its_streams_go_on(serve
     serve.wait_for(lambda: serve.status()["pools"]["decode"] == 2
                    and victim not in [w["id"] for w in serve.status()["workers"]], "a replacement decode worker")
     serve.wait_for(lambda: kv_blocks_held(serve) == 0, "every KV block free")
+
+
+def test_soak_with_cancels_and_decode_worker_kills_leaves_nothing_held(serve, tmp_path):
+    soak = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "soak", "--url", serve.url, "--num-requests", "120", "--rate", "6",
+         "--input-len", "uniform:8:200", "--output-len", "uniform:8:48", "--cancel-share", "0.3",
+         "--kill-decode-every", "6", "--tokenizer", "words", "--rss-tolerance", "0.5", "--seed", "5",
+         "--out", str(tmp_path / "soak")],
+        capture_output=True, text=True, timeout=400, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    report_path = tmp_path / "soak" / "report.json"
+    assert report_path.exists(), soak.stderr[-3000:] + serve.text()[-3000:]
+    report = json.loads(report_path.read_text())
+    print(json.dumps({k: report[k] for k in ("completed", "cancelled_on_purpose", "failed", "kills", "memory",
+                                             "checks")}, indent=1))
+    assert report["failed"] == 0, report["failures"]
+    assert report["checks"] == {"no_failed_requests": True, "no_blocks_held": True, "block_pools_intact": True,
+                                "rss_flat": True}, (report, serve.text()[-3000:])
+    assert soak.returncode == 0, soak.stderr[-3000:]
+    cancelled = report["cancelled_on_purpose"]
+    assert cancelled["before_first_token"] >= 3 and cancelled["mid_stream"] >= 10, cancelled
+    assert len(report["kills"]) >= 2 and report["completed"] + sum(cancelled.values()) == 120
+    assert len(report["workers_after"]) == 3  # the killed workers were replaced
