@@ -3,6 +3,11 @@ load reports; a report's TTL is the worker's heartbeat, so a worker that stops l
 its key expires, within the TTL).
 
 Worker ids join ``PrefixIndex`` tags and dispatch; the directory says which of them may be chosen.
+
+A Redis that lost its data (restarted without persistence, flushed) shows an empty registry until each
+worker notices at its next load report and registers again (a report interval, 0.1 s by default). Read
+as "every worker left", that would be a burst of 503s; the directory keeps a mark key of its own in
+Redis, and when the mark is gone it keeps its last view for ``data_loss_grace_s`` while workers return.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,12 +35,18 @@ class WorkerEntry:
 
 
 class WorkerDirectory:
-    def __init__(self, redis: aioredis.Redis, keys: ClusterKeys, poll_interval_s: float = 0.05):
+    def __init__(self, redis: aioredis.Redis, keys: ClusterKeys, poll_interval_s: float = 0.05,
+                 data_loss_grace_s: float = 5.0):
         self.redis = redis
         self.keys = keys
         self.poll_interval_s = poll_interval_s
+        # A worker's load TTL: by then every live worker has reported, and so registered again.
+        self.data_loss_grace_s = data_loss_grace_s
         self.workers: dict[str, WorkerEntry] = {}
         self.last_poll_ok = False
+        self._mark = keys.data_mark(uuid.uuid4().hex[:12])
+        self._marked = False  # set once this directory has written its mark
+        self._data_lost_at: float | None = None
         # Called with the ids of workers that left (the prefix index drops their tags).
         self.on_removed: list[Callable[[list[str]], None]] = []
         self._task: asyncio.Task[None] | None = None
@@ -54,6 +66,10 @@ class WorkerDirectory:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            await self.redis.delete(self._mark)
+        except (aioredis.RedisError, OSError):
+            pass  # it expires by itself
 
     async def _run(self) -> None:
         while True:
@@ -66,11 +82,22 @@ class WorkerDirectory:
                 self.last_poll_ok = False
 
     async def poll(self) -> None:
-        registry: dict[bytes, bytes] = await self.redis.hgetall(self.keys.registry)  # type: ignore[assignment]
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.registry)
+        pipe.exists(self._mark)
+        # Outlives any stall of this router's; a stall longer than that only costs a grace period.
+        pipe.set(self._mark, 1, px=600_000)
+        registry: dict[bytes, bytes]
+        registry, mark_found, _ = await pipe.execute()
+        now = time.monotonic()
+        if self._marked and not mark_found:
+            log.warning("worker directory: Redis lost its data (restarted or flushed); keeping the last view "
+                        "for up to %.1f s while workers register again", self.data_loss_grace_s)
+            self._data_lost_at = now
+        self._marked = True
         ids = [k.decode() for k in registry]
         loads: list[bytes | None] = await self.redis.mget(  # type: ignore[assignment]
             [self.keys.load(w) for w in ids]) if ids else []
-        now = time.monotonic()
         fresh: dict[str, WorkerEntry] = {}
         for (raw_id, raw_info), raw_load in zip(registry.items(), loads, strict=True):
             if raw_load is None:
@@ -80,6 +107,11 @@ class WorkerDirectory:
                 fresh[raw_id.decode()] = WorkerEntry(info, unpack(WorkerLoad, raw_load), now)
             except (TypeError, ValueError) as e:
                 log.warning("worker directory: ignoring worker %s with a bad record: %s", raw_id, e)
+        if self._data_lost_at is not None:
+            if now - self._data_lost_at < self.data_loss_grace_s:
+                fresh = {**{w: e for w, e in self.workers.items() if w not in fresh}, **fresh}
+            else:
+                self._data_lost_at = None
         gone = [w for w in self.workers if w not in fresh]
         self.workers = fresh
         self.last_poll_ok = True

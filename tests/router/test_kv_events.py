@@ -118,6 +118,43 @@ def test_directory_sees_workers_come_and_go(make_engine, redis_url, keys):
     asyncio.run(scenario())
 
 
+def test_directory_keeps_its_view_while_workers_return_after_redis_lost_its_data(redis_url, keys):
+    """A Redis flushed (or restarted empty) looks like every worker leaving at once; the directory sees its
+    own mark gone and keeps routing to the workers it knew while they register again, for a grace period."""
+    client = redis.Redis.from_url(redis_url)
+
+    def register(worker: str) -> None:
+        client.hset(keys.registry, worker, msgpack.packb(asdict(WorkerInfo(worker, "decode", None, 16, 100, 512))))
+        client.set(keys.load(worker), pack(WorkerLoad(worker, "decode", 0, 0, 0, 100, 0, 0)), px=60_000)
+
+    def lose_the_data() -> None:
+        client.delete(*client.scan_iter(f"tandem:{keys.cluster}:*"))
+
+    async def scenario() -> None:
+        aclient = aioredis.Redis.from_url(redis_url)
+        directory = WorkerDirectory(aclient, keys, data_loss_grace_s=0.5)
+        register("a")
+        register("b")
+        await directory.poll()
+        assert set(directory.workers) == {"a", "b"}
+        lose_the_data()
+        await directory.poll()
+        assert set(directory.workers) == {"a", "b"}  # kept, not "everyone left"
+        register("a")  # a returns; b never does
+        await directory.poll()
+        assert set(directory.workers) == {"a", "b"}
+        await asyncio.sleep(0.6)
+        await directory.poll()
+        assert set(directory.workers) == {"a"}  # the grace is over: b is gone
+        client.hdel(keys.registry, "a")  # an ordinary departure, Redis intact: at once
+        await directory.poll()
+        assert directory.workers == {}
+        await directory.stop()
+        await aclient.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_silent_worker_leaves_when_its_heartbeat_expires(redis_url, keys):
     """A worker that dies without saying so: its load key's TTL runs out and it leaves routing."""
     client = redis.Redis.from_url(redis_url)

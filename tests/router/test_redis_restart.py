@@ -50,6 +50,7 @@ def test_serving_goes_on_through_a_redis_restart_and_the_index_rebuilds(make_eng
         assert complete(router.url) == 200  # served from the router's last view while Redis is down
         redis = EmbeddedRedis(port=port)  # back, empty: no registry, no streams, no snapshots
         try:
+            assert complete(router.url) == 200  # whether or not the workers have registered again yet
             def ready() -> bool:
                 body = httpx.get(f"{router.url}/ready", timeout=5).json()
                 return bool(body["ready"]) and body["decode_workers"] + body["prefill_workers"] == 2
@@ -76,14 +77,24 @@ def test_serving_goes_on_through_a_redis_restart_and_the_index_rebuilds(make_eng
 
 def test_a_redis_that_lost_its_data_without_dropping_connections_is_refilled(make_engine) -> None:
     """FLUSHALL: what a restart too quick for any worker to notice looks like (redis-py reconnects
-    silently). Each worker sees its registration gone at its next load report and starts over."""
+    silently). Each worker sees its registration gone at its next load report and starts over; requests
+    sent meanwhile are served from the router's last view."""
     import redis as redis_py
 
     with EmbeddedRedis() as url, running_cluster(url, lambda: make_engine(max_model_len=2048)) as (router, _, dec):
         block_hashes = hash_prompt_blocks(dec.loop.engine.tokenizer.encode(PROMPT), 16, None)
         assert complete(router.url) == 200
         wait_for(lambda: cached_blocks(router, block_hashes) >= len(block_hashes), 10)
+        directory = router.app.state.router.directory
+        epochs = {w: e.load.kv_events_epoch for w, e in directory.workers.items()}
         redis_py.Redis.from_url(url).flushall()
-        wait_for(lambda: httpx.get(f"{router.url}/ready", timeout=5).json()["decode_workers"] == 1, 10)
+        for _ in range(5):  # across the window in which the registry is empty
+            assert complete(router.url) == 200
+
+        def registered_again() -> bool:
+            now = {w: e.load.kv_events_epoch for w, e in directory.workers.items()}
+            return now.keys() == epochs.keys() and all(now[w] != epochs[w] for w in epochs)
+
+        wait_for(registered_again, 10)  # each worker started a new epoch
         wait_for(lambda: cached_blocks(router, block_hashes) >= len(block_hashes), 10)
         assert complete(router.url) == 200

@@ -7,6 +7,8 @@
     tandem:<cluster>:pools             hash   role -> msgpack PoolTarget (what the pools should be)
     tandem:<cluster>:controller        string msgpack ControllerState; its TTL is the controller's heartbeat
     tandem:<cluster>:slo               hash   router id -> msgpack SLOReport (router/slo_report.py)
+    tandem:<cluster>:seen:<reader>     string a router's mark that Redis still has its data (its absence
+                                              tells a Redis restarted empty or flushed from workers leaving)
 
 Routers write pool targets (``tandem scale``); the controller in ``tandem serve`` makes the pools follow.
 
@@ -50,6 +52,9 @@ class ClusterKeys:
     @property
     def slo(self) -> str:
         return f"tandem:{self.cluster}:slo"
+
+    def data_mark(self, reader_id: str) -> str:
+        return f"tandem:{self.cluster}:seen:{reader_id}"
 
     @property
     def metrics_lease(self) -> str:
