@@ -19,7 +19,7 @@ import heapq
 import itertools
 import random
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from router.slo_window import SLOTargets
@@ -73,17 +73,26 @@ class SimResult:
     def ttfts(self) -> list[float]:
         return [r.first_token - r.arrival for r in self.requests if r.first_token is not None]
 
+    def tpots(self) -> list[float]:
+        """Of the requests with two tokens or more."""
+        return [_tpot(r) for r in self.requests if r.tokens > 1]
+
     def met(self, slo: SLOTargets, r: _Req) -> bool:
         if r.first_token is None or r.last_token is None or r.tokens < r.output:
             return False
-        tpot = (r.last_token - r.first_token) / (r.tokens - 1) if r.tokens > 1 else 0.0
-        return r.first_token - r.arrival <= slo.ttft_s and tpot <= slo.tpot_s
+        return r.first_token - r.arrival <= slo.ttft_s and _tpot(r) <= slo.tpot_s
 
     def attainment(self, slo: SLOTargets) -> float:
         return sum(self.met(slo, r) for r in self.requests) / len(self.requests)
 
     def goodput(self, slo: SLOTargets) -> float:
         return sum(self.met(slo, r) for r in self.requests) / self.duration_s
+
+
+def _tpot(r: _Req) -> float:
+    if r.tokens < 2 or r.first_token is None or r.last_token is None:
+        return 0.0
+    return (r.last_token - r.first_token) / (r.tokens - 1)
 
 
 def _prompt_chunks(prompts: Iterable[_Req], chunk: int, budget: int) -> list[tuple[_Req, int]]:
@@ -98,7 +107,18 @@ def _prompt_chunks(prompts: Iterable[_Req], chunk: int, budget: int) -> list[tup
     return chunks
 
 
-def simulate(profile: TimingProfile, spec: SimSpec, prefill: int, decode: int) -> SimResult:
+def _poisson(spec: SimSpec, rng: random.Random) -> Iterator[tuple[float, int, int]]:
+    t = 0.0
+    for _ in range(spec.num_requests):
+        t += rng.expovariate(spec.rate)
+        jitter = rng.uniform(-spec.input_jitter, spec.input_jitter) if spec.input_jitter else 0.0
+        yield t, round(spec.input_len * (1 + jitter)), spec.output_len
+
+
+def simulate(profile: TimingProfile, spec: SimSpec, prefill: int, decode: int,
+             trace: Sequence[tuple[float, int, int]] | None = None) -> SimResult:
+    """``trace``: the requests' (arrival s, prompt tokens, output tokens), e.g. a loadgen run's, in place of
+    the spec's Poisson arrivals and lengths (its rate, lengths and count then go unused)."""
     rng = random.Random(spec.seed)
     events: list[tuple[float, int, str, int, object]] = []  # (time, tiebreak, kind, worker, payload)
     order = itertools.count()
@@ -108,13 +128,10 @@ def simulate(profile: TimingProfile, spec: SimSpec, prefill: int, decode: int) -
     budget = spec.max_num_batched_tokens
     kv_capacity = profile.kv_tokens_per_worker
     requests = []
-    t = 0.0
-    for _ in range(spec.num_requests):
-        t += rng.expovariate(spec.rate)
-        jitter = rng.uniform(-spec.input_jitter, spec.input_jitter) if spec.input_jitter else 0.0
-        req = _Req(t, max(1, round(spec.input_len * (1 + jitter))), max(1, spec.output_len))
+    for arrival, prompt, output in trace if trace is not None else _poisson(spec, rng):
+        req = _Req(arrival, max(1, prompt), max(1, output))
         requests.append(req)
-        heapq.heappush(events, (t, next(order), "arrive", -1, req))
+        heapq.heappush(events, (arrival, next(order), "arrive", -1, req))
 
     def push(at: float, kind: str, worker: int, payload: object = None) -> None:
         heapq.heappush(events, (at, next(order), kind, worker, payload))

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from cluster.calibration import CalibrationError, fit_scales, load_run
 from cluster.cluster_sim import SimSpec
 from cluster.planner import Plan, find_plan, predict
 from router.slo_window import SLOTargets
@@ -31,6 +32,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--num-requests", type=int, default=600, help="requests simulated per split")
     p.add_argument("--corrections", metavar="TTFT,TPOT", help="scale the profile's prompt and decode times by these "
                    "(a running cluster's autoscaler.corrections in tandem status, on this hardware)")
+    p.add_argument("--calibrate", metavar="REPORT", help="fit the corrections to a tandem loadgen report.json measured "
+                   "on this hardware (its requests replayed through the simulation; see cluster/calibration.py)")
+    p.add_argument("--calibrate-split", metavar="PREFILL,DECODE", help="the workers that served --calibrate's run "
+                   "(default: --prefill/--decode)")
     p.add_argument("--prefill", type=int, help="with --decode: predict this split instead of searching")
     p.add_argument("--decode", type=int)
     p.add_argument("--json", action="store_true", help='print {"prefill": P, "decode": D, ...} only')
@@ -48,7 +53,14 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"tandem plan: {problem}", file=sys.stderr)
         return 2
-    ttft_scale, tpot_scale = _corrections(args.corrections)
+    if args.calibrate:
+        try:
+            ttft_scale, tpot_scale = _calibrate(profile, args)
+        except CalibrationError as e:
+            print(f"tandem plan: {e}", file=sys.stderr)
+            return 2
+    else:
+        ttft_scale, tpot_scale = _corrections(args.corrections)
     spec = SimSpec(args.rate, args.input_len, args.output_len, args.num_requests, args.input_jitter,
                    prefill_scale=ttft_scale, decode_scale=tpot_scale)
     slo = SLOTargets(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
@@ -61,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
               f"at {args.rate:g} req/s (raise --max-workers, or loosen the SLO)", file=sys.stderr)
         return 1
     report = _report(plan, profile, args)
+    report["corrections"] = [ttft_scale, tpot_scale]
     if args.json:
         print(json.dumps(report))
     else:
@@ -69,6 +82,21 @@ def run(args: argparse.Namespace) -> int:
         Path(args.out).write_text(yaml.safe_dump(_cluster_yaml(plan, args), sort_keys=False), encoding="utf-8")
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _calibrate(profile: TimingProfile, args: argparse.Namespace) -> tuple[float, float]:
+    prefill, decode = _split(args.calibrate_split) if args.calibrate_split else (args.prefill or 0, args.decode)
+    run = load_run(args.calibrate)
+    scales = fit_scales(profile, run, prefill, decode)
+    print(f"calibrated on {args.calibrate} ({len(run.trace)} requests on {prefill} prefill + {decode} decode, "
+          f"TTFT p50 {run.ttft_p50_s * 1000:.0f} ms, TPOT p50 {run.tpot_p50_s * 1000:.1f} ms): prompt time "
+          f"x{scales[0]:.2f}, decode time x{scales[1]:.2f}", file=sys.stderr)
+    return scales
+
+
+def _split(text: str) -> tuple[int, int]:
+    prefill, decode = (int(x) for x in text.split(","))
+    return prefill, decode
 
 
 def _corrections(text: str | None) -> tuple[float, float]:
@@ -86,6 +114,19 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be positive"
     if not 0 < args.attainment <= 1:
         return "--attainment must be in (0, 1]"
+    if args.calibrate and args.corrections:
+        return "--calibrate fits the corrections: give it or --corrections, not both"
+    if args.calibrate and not args.calibrate_split and args.decode is None:
+        return "--calibrate needs --calibrate-split PREFILL,DECODE (the workers that served its run) or --decode"
+    if args.calibrate_split is not None and not args.calibrate:
+        return "--calibrate-split says which workers served --calibrate's run: give --calibrate too"
+    if args.calibrate_split is not None:
+        try:
+            prefill, decode = _split(args.calibrate_split)
+            if prefill < 0 or decode < 1:
+                raise ValueError
+        except ValueError:
+            return "--calibrate-split takes PREFILL,DECODE: workers, at least one decode (e.g. 0,1)"
     if args.corrections is not None:
         try:
             if min(_corrections(args.corrections)) <= 0:

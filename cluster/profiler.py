@@ -3,9 +3,9 @@
     profile = measure_profile(engine_config, say=print)
 
 - prefill: one step computing N new prompt tokens after C cached ones (a prefix hit), for a few N and C;
-- decode: one step of B requests decoding at a context of C tokens, for a few B and C (the requests share
-  their prompt through the prefix cache, so filling the batch costs one prefill, while each request's
-  attention still reads its whole context);
+- decode: one step of B requests decoding at a context of C tokens, for a few B and C; each request reads
+  its own KV, as on a decode worker (one prompt is computed, and its KV is copied into every request's
+  blocks the way a prefill worker's lands), so filling the batch costs one prefill;
 - transfer: one KV transfer of a few sizes between two transports on this host.
 
 Every point is the median of a few repeats, after one warm-up step.
@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.host_math import cdiv
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.model_loading import resolve_weight_format
@@ -30,7 +31,7 @@ from workers.transport.factory import make_transport
 PREFILL_NEW = (16, 64, 128, 256, 512)
 PREFILL_CONTEXT = (0, 512, 1024)
 DECODE_BATCH = (1, 2, 4, 8, 16, 32, 64)
-DECODE_CONTEXT = (128, 1024)
+DECODE_CONTEXT = (128, 256, 512, 1024)
 TRANSFER_BLOCKS = (1, 8, 32, 128)
 REPEATS = 3
 
@@ -89,22 +90,54 @@ def _measure_decode(engine: Engine, vocab: int, say: Callable[[str], None]) -> G
     contexts = [c for c in DECODE_CONTEXT if c + REPEATS + 8 <= engine.max_model_len]
     zs = [[0.0] * len(contexts) for _ in batches]
     for j, context in enumerate(contexts):
+        source = _held_prompt(engine, context - 1, vocab)
         for i, batch in enumerate(batches):
-            zs[i][j] = _decode_step(engine, batch, context, vocab)
+            # A batch whose KV does not fit at this context never runs on a worker; its figure (read only by
+            # the simulation's interpolation) goes on the line through the two batches below it.
+            zs[i][j] = (_decode_step(engine, source, batch, context, vocab) if _fits(engine, batch, context)
+                        else _extrapolate(batches[:i], [row[j] for row in zs[:i]], batch))
+        engine.release_held(source[0])
         say(f"decode at {context:>4} tokens of context: " + ", ".join(
-            f"{1000 * zs[i][j]:.1f} ms at batch {b}" for i, b in enumerate(batches)))
+            f"{1000 * zs[i][j]:.1f} ms at batch {b}" + ("" if _fits(engine, b, context) else " (extrapolated)")
+            for i, b in enumerate(batches)))
     return Grid(xs=[float(b) for b in batches], ys=[float(c) for c in contexts], zs=zs)
 
 
-def _decode_step(engine: Engine, batch: int, context: int, vocab: int) -> float:
-    """Median seconds of a decode step of ``batch`` requests sharing a ``context``-token prompt."""
-    shared = _tokens(context - 1, 7 * context, vocab)
-    params = SamplingParams(max_tokens=REPEATS + 8, temperature=0.0, ignore_eos=True)
-    engine.generate([shared], SamplingParams(max_tokens=1, ignore_eos=True))  # cached: one prefill for all
-    ids = [engine.add_request(shared + [100 + i], params) for i in range(batch)]
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                          for r in engine.scheduler.running):
+def _fits(engine: Engine, batch: int, context: int) -> bool:
+    blocks = cdiv(context + REPEATS + 8, engine.config.block_size)
+    return (batch + 1) * blocks <= engine.block_pool.num_blocks
+
+
+def _extrapolate(xs: list[int], ys: list[float], x: int) -> float:
+    if len(xs) < 2:
+        return ys[-1] * x / xs[-1]
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + max(slope, 0.0) * (x - xs[-1])
+
+
+def _held_prompt(engine: Engine, num_tokens: int, vocab: int) -> tuple[str, list[int]]:
+    """A prompt computed once and held (a prefill worker's request): its request id and KV blocks."""
+    rid = engine.add_request(_tokens(num_tokens, 13 * num_tokens, vocab),
+                             SamplingParams(max_tokens=1, ignore_eos=True), prefill_only=True)
+    while rid not in engine.scheduler.held:
         engine.step()
+    return rid, engine.held_block_ids(rid)
+
+
+def _decode_step(engine: Engine, source: tuple[str, list[int]], batch: int, context: int, vocab: int) -> float:
+    """Median seconds of a decode step of ``batch`` requests at a ``context``-token prompt, each reading its own
+    KV as on a decode worker: the prompts are distinct and their KV lands as a prefill worker's does (a copy
+    of ``source``'s blocks, committed). Shared prompt blocks would be read from the CPU's caches, not memory,
+    and time the attention of a large batch at a fraction of what serving it costs."""
+    params = SamplingParams(max_tokens=REPEATS + 8, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(_tokens(context - 1, 7919 * (batch * 64 + i) + context, vocab), params,
+                              remote_prefill=True) for i in range(batch)]
+    reserved = engine.step().reservations
+    assert len(reserved) == batch, "not every request got its blocks"
+    cache, src = engine.runner.kv_cache, torch.tensor(source[1])
+    for reservation in reserved:
+        cache[:, :, torch.tensor(reservation.block_ids[: len(source[1])])] = cache[:, :, src]
+        engine.commit_remote_kv(reservation.request_id, token_id=1000, logprob=None)
     times = []
     for _ in range(REPEATS + 2):
         started = time.perf_counter()
