@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -30,7 +31,9 @@ from kernels.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in (
-    "paged_decode_cpu.cpp", "quant_linear_cpu.cpp", "fused_ops_cpu.cpp", "decoder_cpu.cpp")]
+    "paged_decode_cpu.cpp", "quant_linear_cpu.cpp", "quant_linear_x8_cpu.cpp", "fused_ops_cpu.cpp",
+    "decoder_cpu.cpp")]
+HEADERS = sorted((Path(__file__).resolve().parent / "csrc").glob("*.h"))
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_HEADS_PER_KV = 16
 _NAME = "tandem_cpu_kernels"
@@ -81,13 +84,21 @@ def _load() -> str | None:
         with _exclusive(build_dir), _ninja_on_path():
             if not (build_dir / f"{_NAME}.so").exists():
                 log.warning("building the CPU decode-attention kernel into %s (once per machine, ~10-30 s)", build_dir)
-            cpp_extension.load(name=_NAME, sources=[str(p) for p in SOURCES], extra_cflags=_FLAGS,
-                               build_directory=str(build_dir), is_python_module=False, verbose=False)
+            cpp_extension.load(name=_NAME, sources=[str(p) for p in SOURCES],
+                               extra_cflags=[*_FLAGS, _headers_digest()], build_directory=str(build_dir),
+                               is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure leaves the torch path, said once
         reason = f"the build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
         log.warning("CPU decode-attention kernel unavailable (%s); using the torch path", reason)
         return reason
     return None
+
+
+def _headers_digest() -> str:
+    """A define that changes with the headers: torch rebuilds when sources or flags change, and reads no
+    header, so an edited header alone would leave the old build in place."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in HEADERS)).hexdigest()[:16]
+    return f"-DTANDEM_HEADERS_DIGEST={digest}"
 
 
 @contextlib.contextmanager

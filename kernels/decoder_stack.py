@@ -5,8 +5,8 @@
 
 The same ops as the model's Python loop, in the same order, so the output is bit-identical; what it
 saves is the interpreter between them (~4-5 ms a step on a 2-core CPU at batch 1, a third of the step).
-It takes decode-only steps with fewer than ``DENSE_FROM_ROWS`` rows, fp32 on CPU, every matrix a GGUF
-block weight; anything else stays on the Python loop.
+It takes decode-only steps, fp32 on CPU, every matrix a GGUF block weight; anything else stays on the
+Python loop.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from kernels import cpu_kernel
-from kernels.quant_linear import DENSE_FROM_ROWS, QuantizedWeight
+from kernels.quant_linear import QuantizedWeight
 
-FORMAT_CODES = {"q4_1": 0, "q8_0": 1, "q4_1x8": 2}  # as decoder_cpu.cpp reads them
+FORMAT_CODES = {"q4_1": 0, "q8_0": 1, "q4_1x8": 2, "q8_0x8": 3}  # as decoder_cpu.cpp reads them
 
 
 class LayerTensors(Protocol):
@@ -65,8 +65,8 @@ class DecoderStack:
         return DecoderStack(weights, formats, num_heads, num_kv_heads)
 
     def takes(self, num_tokens: int, num_decode_tokens: int, h: Tensor, kv_cache: Tensor) -> bool:
-        """Whether this step is one the compiled stack runs: decode only, few rows, fp32 on CPU."""
-        return (num_decode_tokens == num_tokens < DENSE_FROM_ROWS and h.dtype == torch.float32
+        """Whether this step is one the compiled stack runs: decode only, fp32 on CPU."""
+        return (num_decode_tokens == num_tokens and h.dtype == torch.float32
                 and kv_cache.dtype == torch.float32 and h.device.type == "cpu" and kv_cache.device.type == "cpu")
 
     def run_(self, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slot_mapping: Tensor, block_tables: Tensor,

@@ -8,7 +8,8 @@
 // Decode-only steps (one token a sequence, attention through the paged cache), fp32, weights kept as
 // GGUF blocks (Q4_1 or Q8_0 per matrix). Per layer, 7 tensors in `weights`:
 //   attn_norm [H], qkv [N_qkv, bytes], qkv_bias [N_qkv] or empty, o_proj, mlp_norm [H], gate_up, down
-// and 4 codes in `formats` (qkv, o_proj, gate_up, down): 0 = Q4_1, 1 = Q8_0, 2 = Q4_1 interleaved by 8 rows.
+// and 4 codes in `formats` (qkv, o_proj, gate_up, down): 0 = Q4_1, 1 = Q8_0, 2 = Q4_1 interleaved by 8 rows,
+// 3 = Q8_0 interleaved by 8 rows.
 //
 //   h [B, hidden] fp32, updated in place to the residual stream after the last layer (final norm not applied)
 //   kv_cache [layers, 2, num_blocks, block_size, KVH, D]; cos/sin [B, D]; slot_mapping [B];
@@ -31,7 +32,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t format) {
   switch (format) {
     case 0: return tandem_cpu::q4_1_linear(x, w);
     case 1: return tandem_cpu::q8_0_linear(x, w);
-    default: return tandem_cpu::q4_1x8_linear(x, w);
+    case 2: return tandem_cpu::q4_1x8_linear(x, w);
+    default: return tandem_cpu::q8_0x8_linear(x, w);
   }
 }
 
@@ -44,7 +46,8 @@ void decode_layers_(at::Tensor& h, at::TensorList weights, at::IntArrayRef forma
               "weights must hold 7 tensors a layer, got ", weights.size());
   TORCH_CHECK(static_cast<int64_t>(formats.size()) == layers * kFormatsPerLayer, "formats must hold 4 codes a layer");
   for (const int64_t f : formats)
-    TORCH_CHECK(f >= 0 && f <= 2, "format code ", f, " is none of Q4_1 (0), Q8_0 (1), Q4_1 by 8 rows (2)");
+    TORCH_CHECK(f >= 0 && f <= 3, "format code ", f, " is none of Q4_1 (0), Q8_0 (1), Q4_1 by 8 rows (2), "
+                "Q8_0 by 8 rows (3)");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat, "h must be [B, hidden] contiguous fp32");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == layers && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be [layers, 2, num_blocks, block_size, KVH, D] contiguous, one layer per 7 weights");

@@ -15,8 +15,9 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 // quant_linear_cpu.cpp: x [M, K] fp32 against a GGUF-blocked weight [N, K / 32 * block bytes] uint8
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w);
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w);
-// the same Q4_1 weights interleaved by 8 rows (q4_1_to_x8): w [N / 8, K / 32 * 160] uint8
+// quant_linear_x8_cpu.cpp: the same blocks interleaved by 8 rows, w [N / 8, K / 32 * 160 (Q4_1) or 272 (Q8_0)]
 at::Tensor q4_1x8_linear(const at::Tensor& x, const at::Tensor& w);
+at::Tensor q8_0x8_linear(const at::Tensor& x, const at::Tensor& w);
 
 // fused_ops_cpu.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

@@ -1,8 +1,9 @@
-"""The quantized linear kernels (kernels/csrc/quant_linear_cpu.cpp) against the gguf package's own
-dequantize, which HF runs: blocks made by gguf's quantize and blocks from the bundled GGUF; every row
-count through the register tiles, their tails and the BLAS path; odd row counts of W. Both paths round
-x to 8 bits a block (llama.cpp's Q8): each must equal a readable torch emulation of that rounding to fp32
-precision (so a row's result does not hang on its batch), and the exact product within what rounding costs.
+"""The quantized linear kernels (kernels/csrc/quant_linear*_cpu.cpp) against the gguf package's own
+dequantize, which HF runs: blocks made by gguf's quantize and blocks from the bundled GGUF; row counts
+through the register tiles and their tails, up to a long prefill chunk; odd row counts of W. The kernels
+round x to 8 bits a block (llama.cpp's Q8): each must equal a readable torch emulation of that rounding to
+fp32 precision (so a row's result does not hang on its batch), and the exact product within what rounding
+costs.
 Then the fused elementwise ops against torch."""
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from kernels import cpu_kernel, fused_ops, quant_linear
 from kernels.quant_linear import QuantizedWeight
 
 FORMATS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0,
-           "q4_1x8": GGMLQuantizationType.Q4_1}  # Q4_1 blocks, interleaved by 8 rows after quantizing
-ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 17, quant_linear.DENSE_FROM_ROWS - 1, quant_linear.DENSE_FROM_ROWS, 300]
+           # the same blocks, interleaved by 8 rows after quantizing
+           "q4_1x8": GGMLQuantizationType.Q4_1, "q8_0x8": GGMLQuantizationType.Q8_0}
+ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 17, 96, 300, 513]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,22 +35,18 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWei
     blocks = quantize(dense, FORMATS[fmt])
     reference = torch.from_numpy(np.array(dequantize(blocks, FORMATS[fmt]), dtype=np.float32))
     weight = QuantizedWeight(fmt.removesuffix("x8"), torch.from_numpy(np.array(blocks)), k)
-    if fmt == "q4_1x8":
+    if fmt.endswith("x8"):
         weight = quant_linear.interleave(weight)
-        assert weight.format == "q4_1x8" and weight.out_features == n
+        assert weight.format == fmt and weight.out_features == n
     return weight, reference
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_is_bit_exact(fmt: str) -> None:
-    w, reference = random_weight(fmt, 40 if fmt == "q4_1x8" else 37, 96)
+    w, reference = random_weight(fmt, 40 if fmt.endswith("x8") else 37, 96)
     assert torch.equal(w.dequantize(), reference)
-    ids = torch.tensor([5, 0, 36, 5])
-    if fmt == "q4_1x8":  # rows of 8 are interleaved: lookups take the GGUF layout
-        with pytest.raises(ValueError, match="interleaves rows"):
-            w.rows(ids)
-    else:
-        assert torch.equal(w.rows(ids), reference[ids])
+    ids = torch.tensor([5, 0, 36, 5, 31, 8])  # interleaved: rows from several groups, at several places in one
+    assert torch.equal(w.rows(ids), reference[ids])
 
 
 def q8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +63,7 @@ def q8_rounded(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", ROW_COUNTS)
 def test_linear_matches_dequantized_matmul(fmt: str, m: int) -> None:
-    n = 72 if fmt == "q4_1x8" else 67  # an odd N where the layout allows it
+    n = 72 if fmt.endswith("x8") else 67  # an odd N where the layout allows it
     w, reference = random_weight(fmt, n, 160, seed=m)
     gen = torch.Generator().manual_seed(m)  # seeded: an unseeded x took whatever earlier tests left in the RNG
     x = torch.randn(m, 160, generator=gen)
@@ -86,7 +84,7 @@ def test_bundled_gguf_blocks(quantized_model, dense_model) -> None:
     dense = dense_model.layers[3].qkv
     assert isinstance(qkv, QuantizedWeight) and qkv.format == "q4_1x8"
     assert torch.equal(qkv.dequantize(), dense)
-    assert isinstance(quantized_model.embed, QuantizedWeight) and quantized_model.embed.format == "q8_0"
+    assert isinstance(quantized_model.embed, QuantizedWeight) and quantized_model.embed.format == "q8_0x8"
 
 
 def test_bad_shapes_are_refused() -> None:

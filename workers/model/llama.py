@@ -45,7 +45,7 @@ def stack_rows(parts: list[Weight]) -> Weight:
 
 
 def fast_layout(w: Weight) -> Weight:
-    """Q4_1 blocks interleaved by 8 rows for the kernel (the same numbers); anything else as it is."""
+    """Q4_1 and Q8_0 blocks interleaved by 8 rows for the kernel (the same numbers); anything else as it is."""
     return interleave(w) if isinstance(w, QuantizedWeight) else w
 
 
@@ -72,9 +72,11 @@ class LlamaModel:
             assert isinstance(w, torch.Tensor), f"{name} is a vector: never quantized"
             return w
 
-        self.embed = take("model.embed_tokens.weight")
+        embed = take("model.embed_tokens.weight")
         self.norm = take_dense("model.norm.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
+        self.lm_head = fast_layout(embed if config.tie_word_embeddings else take("lm_head.weight"))
+        # A tied embedding shares the head's bytes: its row lookups read the interleaved layout too.
+        self.embed = self.lm_head if config.tie_word_embeddings else embed
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."

@@ -1,0 +1,82 @@
+// What the quantized linear kernels share (quant_linear_cpu.cpp: weights as the GGUF's blocks, row by row;
+// quant_linear_x8_cpu.cpp: the same blocks interleaved by 8 rows): x rounded to 8 bits a block of 32, as
+// llama.cpp's Q8 does, and small AVX2 helpers. See quant_linear_cpu.cpp for the block formats.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace tandem_quant {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRowTile = 4;  // rows of x that share each unpacked block
+constexpr int64_t kQ4_1Bytes = 20, kQ8_0Bytes = 34;  // one block of 32 weights
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// x quantized per block of 32: q [M, K] int8, scale and sum of the quantized values [M, K / 32] fp32.
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+};
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline void quantize_block(const float* x, int8_t* q, float* scale, float* sum) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+  }
+  const float m = hmax(amax);
+  const __m256 inv = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest
+  *scale = m / 127.f;
+  // The sum of the *quantized* block: with it the m term carries the same rounding as the d term, and the
+  // two cancel (sum (d q + m)(x - e) errs by sum w e; an exact sum x would leave d sum q e, q all >= 0).
+  *sum = *scale * hsum(_mm256_cvtepi32_ps(
+                      _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]))));
+  // packs work within 128-bit lanes; the permute restores element order 0..31.
+  const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+  const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
+                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i8);
+}
+
+inline QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / kBlock;
+  QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      quantize_block(x + i * kBlock, out.q.data() + i * kBlock, &out.scale[i], &out.sum[i]);
+  });
+  return out;
+}
+
+inline __m256 i32_sum_to_float(__m256i p16) {  // 16 i16 pair sums -> 8 fp32
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+}  // namespace tandem_quant
