@@ -19,6 +19,7 @@ from router.state import RouterConfig
 from router.worker_client import LocalWorkerClient, WorkerUnreachable
 from tests.router.conftest import MODEL
 from tests.router.serve import serve_router
+from workers.engine.engine import Engine
 from workers.protocol.sampling_params import SamplingParams
 from workers.service.decode import DecodeService
 from workers.service.prefill import PrefillService
@@ -58,8 +59,8 @@ def two_decoders(make_engine, redis_url):
     prefill = PrefillService(make_engine(dense=True), TcpTransport(), "p0", publish=publish).start()
     services: dict[str, DecodeService] = {}
 
-    def start_decoder(name: str) -> DecodeService:
-        services[name] = DecodeService(make_engine(dense=True), TcpTransport(), name, LocalPrefillClient(
+    def start_decoder(name: str, engine: Engine | None = None) -> DecodeService:
+        services[name] = DecodeService(engine or make_engine(dense=True), TcpTransport(), name, LocalPrefillClient(
             {"p0": prefill}), transfer_timeout_s=10.0, publish=publish).start()
         client.decode[name] = client.services[name] = services[name]
         return services[name]
@@ -83,6 +84,7 @@ def test_streams_go_on_from_another_decode_worker(two_decoders, make_engine, bod
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=body["temperature"], seed=body.get("seed"),
                             frequency_penalty=body.get("frequency_penalty", 0.0))
     want = [engine.generate([{"messages": [{"role": "user", "content": q}]}], params)[0].text for q in QUESTIONS]
+    spare = make_engine(dense=True)
     progress = [[0] for _ in QUESTIONS]
     outs: list[dict] = [{} for _ in QUESTIONS]  # type: ignore[type-arg]
     threads = [threading.Thread(target=stream_chat, args=(router.url, q, body, progress[i], outs[i]))
@@ -93,7 +95,7 @@ def test_streams_go_on_from_another_decode_worker(two_decoders, make_engine, bod
     while min(p[0] for p in progress) < 8:
         assert time.monotonic() < deadline and all(t.is_alive() for t in threads), progress
         time.sleep(0.01)
-    start_decoder("d1")
+    start_decoder("d1", spare)  # its engine built beforehand: building one (~2.5 s here) outlasted the streams
     services["d0"].close()  # every stream was on d0: it held the only decode worker
     for t in threads:
         t.join(timeout=120)
