@@ -271,29 +271,34 @@ def test_echo_gives_the_prompt_and_its_logprobs_first(client, local_cluster, mak
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_outputs_validate(client, stream):
-    """Prompts long enough to be prefilled on p0: the first token, sampled there, obeys the schema too."""
+    """Prompts long enough to be prefilled on p0: the first token, sampled there, obeys the schema too.
+    Ten seeded requests at temperature 1.0 at once (batched on d0), whole and streamed: 20 in all."""
     import json
+    from concurrent.futures import ThreadPoolExecutor
 
     import jsonschema
 
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "population": {"type": "integer", "minimum": 0}},
               "required": ["city", "population"], "additionalProperties": False}
-    texts = []
-    for seed in range(4):
+
+    def ask(seed: int) -> str:
         reply = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Name a large city and its population, as JSON."}],
             max_tokens=60, temperature=1.0, seed=seed, stream=stream,
             response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema,
                                                                     "strict": True}})
         if stream:
-            texts.append("".join(c.choices[0].delta.content or "" for c in reply if c.choices))
-        else:
-            assert reply.choices[0].finish_reason == "stop"
-            texts.append(reply.choices[0].message.content)
+            return "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+        assert reply.choices[0].finish_reason == "stop"
+        return str(reply.choices[0].message.content)
+
+    with ThreadPoolExecutor(10) as pool:
+        texts = list(pool.map(ask, range(10)))
     for text in texts:
         jsonschema.validate(json.loads(text), schema)
-    sea = [{"role": "user", "content": "Give me a JSON object about the sea."}]
+    assert len(set(texts)) > 1  # sampled, not one answer ten times
+    sea = [{"role": "user", "content": "Give me a JSON object with the name and colour of the sea."}]
     reply = client.chat.completions.create(model=MODEL, max_tokens=200, temperature=0, messages=sea,
                                            response_format={"type": "json_object"})
     assert reply.choices[0].finish_reason == "stop"

@@ -48,7 +48,7 @@ def test_twenty_sampled_outputs_parse_and_validate(make_engine) -> None:
 
 def test_json_object_is_an_object(make_engine) -> None:
     engine = make_engine()
-    prompt = chat_prompt(engine, "Give me a JSON object about the sea.")
+    prompt = chat_prompt(engine, "Give me a JSON object with the name and colour of the sea.")
     result = engine.generate([prompt], SamplingParams(max_tokens=200, temperature=0.0,
                                                       json_schema='{"type": "object"}'))[0]
     assert result.finish_reason == "stop" and isinstance(json.loads(result.text), dict)
