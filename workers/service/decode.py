@@ -41,6 +41,9 @@ class PrefillClient(Protocol):
     async def cancel(self, worker_id: str, request_id: str) -> None: ...
 
 
+_Delivery = tuple["asyncio.Queue[RequestOutput | BaseException]", RequestOutput]  # an output for a stream's queue
+
+
 @dataclass
 class _Stream:
     """One request's life on this worker, shared by its generator and the engine thread's callbacks."""
@@ -193,10 +196,15 @@ class DecodeService(EngineService):
 
     # ---- engine thread ----
     def _on_outputs(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        # One wake-up of each event loop a step, not one per output: every wake-up is a thread switch that
+        # takes a core from the engine's threads in the middle of the next step.
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Delivery]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+                by_loop.setdefault(stream.loop, []).append((stream.outputs, out))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, deliveries)
 
     def _on_reservations(self, reservations: list[KVReservation]) -> None:
         for reservation in reservations:
@@ -214,6 +222,11 @@ class DecodeService(EngineService):
     def _on_fatal(self, error: BaseException) -> None:
         for request_id in list(self._streams):
             self._on_request_failed(request_id, error)
+
+
+def _deliver(deliveries: list[_Delivery]) -> None:
+    for queue, out in deliveries:
+        queue.put_nowait(out)
 
 
 def _resolve(future: asyncio.Future[KVReservation], value: KVReservation) -> None:
