@@ -92,8 +92,12 @@ def predict_rates(profile: TimingProfile, calibration_rate: float, rates: list[f
         goodput = summary["goodput_rps"]
         print(f"| {rate:g} | {goodput:.3f} ({summary['slo_attainment']:.0%}) | {plain.goodput_rps:.3f} "
               f"({plain.attainment:.0%}) | {calibrated.goodput_rps:.3f} ({calibrated.attainment:.0%}) | "
-              f"{calibrated.goodput_rps / goodput:.2f} | {replay.goodput(SLO):.3f} ({replay.attainment(SLO):.0%}) | "
-              f"{replay.goodput(SLO) / goodput:.2f} |")
+              f"{_ratio(calibrated.goodput_rps, goodput)} | {replay.goodput(SLO):.3f} ({replay.attainment(SLO):.0%}) | "
+              f"{_ratio(replay.goodput(SLO), goodput)} |")
+
+
+def _ratio(predicted: float, measured: float) -> str:
+    return f"{predicted / measured:.2f}" if measured > 0 else "n/a (nothing measured met the SLO)"
 
 
 if __name__ == "__main__":
