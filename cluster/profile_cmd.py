@@ -4,7 +4,6 @@ timing profile for ``tandem serve --sim`` and ``tandem plan`` (``cluster/profile
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from typing import Any
 
@@ -31,15 +30,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem profile: {e}", file=sys.stderr)
         return 2
     resources = config.worker_resources(args.role)
-    threads = resources.torch_threads or max(1, math.floor(resources.num_cpus))
-    torch.set_num_threads(threads)  # what the pool's worker gets from Ray (its num_cpus)
+    torch.set_num_threads(resources.engine_threads)  # what the pool's worker's engine thread runs on
     engine_config = config.engine_config(args.role)
     engine_config.max_queue_len = engine_config.max_queue_time_s = None  # offline: nothing is shed
 
     def say(line: str) -> None:
         print(f"[tandem profile] {line}", file=sys.stderr, flush=True)
 
-    say(f"profiling the {args.role} pool's engine on {threads} threads")
+    say(f"profiling the {args.role} pool's engine on {resources.engine_threads} threads")
     profile = measure_profile(engine_config, say)
     profile.save(args.out)
     say(f"wrote {args.out} in {profile.seconds_to_measure:.0f}s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -13,8 +14,12 @@ class WorkerResources:
     num_gpus: float = 0.0
     # e.g. {"prefill_node": 1}: only nodes started with that resource take the worker.
     resources: dict[str, float] = field(default_factory=dict)
-    # torch intra-op threads; None: Ray's OMP_NUM_THREADS for the actor (its num_cpus).
+    # torch intra-op threads of the engine; None: the actor's num_cpus (at least 1).
     torch_threads: int | None = None
+
+    @property
+    def engine_threads(self) -> int:
+        return self.torch_threads or max(1, math.floor(self.num_cpus))
 
     def demand(self) -> dict[str, float]:
         """What Ray must find free on one node, under Ray's resource names."""

@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -111,6 +112,18 @@ def test_tcp_outputs_equal_single_engine(tcp_cluster, expected):
     assert load.role == "prefill"
     metrics = ray.get(prefill.metrics.remote()).decode()
     assert "tandem_kv_transfer_bytes_total" in metrics and "tandem_prefill_tokens_total" in metrics
+
+
+def test_each_worker_runs_torch_on_its_engine_thread_alone(tcp_cluster):
+    """A second OpenMP team in a worker process (its main thread loading the model on num_cpus threads) makes
+    libgomp sleep between parallel regions, and a decode step took 4x as long (bench_served_step.py): every
+    thread of a worker but the engine's runs torch on one thread."""
+    prefill, decodes = tcp_cluster
+    for worker in [prefill, *decodes]:
+        info = ray.get(worker.ready.remote())
+        assert info["engine_threads"] == RESOURCES.engine_threads == 2
+        env = Path(f"/proc/{info['pid']}/environ").read_bytes().split(b"\0")
+        assert b"OMP_NUM_THREADS=1" in env
 
 
 def test_local_prefill_outputs_equal_single_engine(tcp_cluster, expected):

@@ -42,7 +42,8 @@ class EngineService(ABC):
 
     role: str
 
-    def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, publish: PublishConfig | None = None):
+    def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, publish: PublishConfig | None = None,
+                 engine_threads: int | None = None):
         self.worker_id = worker_id
         self.transport = transport
         transport.register(engine.runner.kv_cache)
@@ -50,7 +51,8 @@ class EngineService(ABC):
         self.num_requests_started = 0  # subclasses count each request they take
         self._closed = False
         self.publisher: WorkerPublisher | None = None
-        self.loop = EngineLoop(engine, self._on_step, self._on_fatal, name=f"{worker_id}-engine")
+        self.loop = EngineLoop(engine, self._on_step, self._on_fatal, name=f"{worker_id}-engine",
+                               num_threads=engine_threads)
         if publish is not None:
             info = WorkerInfo(worker_id, self.role, publish.ray_namespace, engine.block_pool.block_size,
                               engine.block_pool.num_blocks, engine.max_model_len)

@@ -61,8 +61,9 @@ class DecodeService(EngineService):
     role = "decode"
 
     def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, prefill_client: PrefillClient | None,
-                 transfer_timeout_s: float = 30.0, publish: PublishConfig | None = None):
-        super().__init__(engine, transport, worker_id, publish)
+                 transfer_timeout_s: float = 30.0, publish: PublishConfig | None = None,
+                 engine_threads: int | None = None):
+        super().__init__(engine, transport, worker_id, publish, engine_threads)
         self.prefill_client = prefill_client
         self.transfer_timeout_s = transfer_timeout_s
         self._streams: dict[str, _Stream] = {}

@@ -29,22 +29,29 @@ _IDLE_WAIT_S = 0.05
 
 class EngineLoop:
     def __init__(self, engine: Engine, on_step: Callable[[Engine, StepResult, float], None],
-                 on_fatal: Callable[[BaseException], None], name: str = "engine"):
+                 on_fatal: Callable[[BaseException], None], name: str = "engine", num_threads: int | None = None):
         """``on_step(engine, result, seconds)`` runs on the engine thread after every step;
-        ``on_fatal(error)`` once if a step raises (the loop then stops). Nothing runs before ``start()``."""
+        ``on_fatal(error)`` once if a step raises (the loop then stops). ``num_threads``: the engine thread's
+        torch threads (default: the constructing thread's). Nothing runs before ``start()``."""
         self.engine = engine
         self._on_step = on_step
         self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], concurrent.futures.Future[Any]] | None] = (
             queue.SimpleQueue())
         self._stopping = False
-        # OpenMP thread counts are per calling thread: a new thread starts from OMP_NUM_THREADS (Ray
-        # sets it to the actor's num_cpus), not from torch.set_num_threads of the thread that built us.
-        self._num_threads = torch.get_num_threads()
+        # OpenMP thread counts are per calling thread: a new thread starts from OMP_NUM_THREADS, not from
+        # torch.set_num_threads of the thread that built us. A worker process keeps every other thread at one
+        # (workers/actors.py): see there why one OpenMP team a process matters.
+        self._num_threads = num_threads or torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def num_threads(self) -> int:
+        """The engine thread's torch threads."""
+        return self._num_threads
 
     def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
         """Run ``fn(engine)`` on the engine thread; its result or exception lands in the future."""

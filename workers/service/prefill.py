@@ -41,8 +41,8 @@ class PrefillService(EngineService):
     role = "prefill"
 
     def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, max_concurrent_transfers: int = 4,
-                 publish: PublishConfig | None = None):
-        super().__init__(engine, transport, worker_id, publish)
+                 publish: PublishConfig | None = None, engine_threads: int | None = None):
+        super().__init__(engine, transport, worker_id, publish, engine_threads)
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()  # _pending is shared by the asyncio, engine and transfer threads
         self._transfers = concurrent.futures.ThreadPoolExecutor(max_concurrent_transfers, f"{worker_id}-kv")
