@@ -74,7 +74,7 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: Sequence[Any | None]) ->
     packed = bitmask.contiguous().view(torch.uint8).view(-1).to(logits.device, non_blocking=True).long()
     penalty = _byte_penalties(logits.device).index_select(0, packed).view(num_rows, -1)[:, :vocab]
     if num_rows == logits.shape[0]:
-        return logits + penalty
+        return penalty.add_(logits)  # into the penalty's own buffer: one [N, V] tensor a step, not two
     index = torch.tensor([i for i, _ in rows], device=logits.device)
     out = logits.clone()
     out[index] = logits[index] + penalty
