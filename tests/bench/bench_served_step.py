@@ -62,7 +62,8 @@ def measure(threads: int, tokens: int, on_engine_thread: bool) -> float:
 
 def case(name: str, threads: int, tokens: int, omp: str, on_engine_thread: bool) -> float:
     code = (f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r});"
-            f"from bench_served_step import measure; print(json.dumps(measure({threads}, {tokens}, {on_engine_thread})))")
+            "from bench_served_step import measure;"
+            f"print(json.dumps(measure({threads}, {tokens}, {on_engine_thread})))")
     env = {**os.environ, "OMP_NUM_THREADS": omp}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     seconds = float(json.loads(out.stdout.strip().splitlines()[-1]))
