@@ -66,8 +66,11 @@ def serve(tmp_path_factory) -> Iterator[Serve]:
     profile = linear_profile(prefill_base_s=0.02, prefill_per_token_s=1e-3, decode_base_s=0.03,
                              decode_per_seq_s=0.005, decode_per_ctx_token_s=0.0)
     profile.save(tmp / "profile.json")
+    # The liveness probe runs between two engine steps, so a step must stay well under UNRESPONSIVE_S: at 1 ms a
+    # prompt token, the default budget of 8,192 tokens let a worker that took over a storm of failed-over streams
+    # step for ~5 s, and the controller killed it as stalled (the soak failed 35 requests so, once in two runs).
     pool = {"min_replicas": 0, "max_replicas": 3, "unresponsive_timeout_s": UNRESPONSIVE_S,
-            "resources": {"num_cpus": 0.25, "torch_threads": 1}}
+            "resources": {"num_cpus": 0.25, "torch_threads": 1}, "engine": {"max_num_batched_tokens": 1536}}
     config = {"name": "losstest", "sim_profile": str(tmp / "profile.json"), "model": {"served_name": "tandem-sim"},
               "prefill": {**pool, "replicas": 1}, "decode": {**pool, "replicas": 2, "min_replicas": 1},
               "ray": {"num_cpus": 4}, "router": {"port": port, "local_prefill_max_tokens": 0}}
