@@ -16,10 +16,14 @@
 // overflow (8 * 2 * 15 * 127 = 30480 < 32767); one madd, convert and FMA then finish the block for 8 rows.
 // Q8_0: maddubs takes one operand unsigned, so |vk| times x carrying vk's signs (llama.cpp's trick); a pair
 // can reach 2 * 127 * 127, so each maddubs result widens to int32 before the next is added.
+// Where the CPU has VNNI, one dpbusd does what maddubs, the add and the madd do (quant_x8_dot.h holds the
+// inner loops, compiled once per instruction set; the best the CPU has is picked at load).
 //
 //   q4_1_to_x8 / q8_0_to_x8: w [N, K / 32 * 20 or 34] -> [N / 8, K / 32 * 160 or 272] uint8
 //   q4_1x8_linear / q8_0x8_linear: x [M, K] fp32 -> y [M, N] fp32
 //   q4_1x8_dequantize / q8_0x8_dequantize: -> [N, K] fp32, bit-exact with the gguf package
+//   quant_isa() / set_quant_isa(name): the instruction set the linear kernels use ("avx2", "avx_vnni",
+//     "avx512_vnni"; "best" picks the CPU's best); every one gives bit-identical outputs
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +33,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <string>
+#include <type_traits>
 
 #include "quant_blocks.h"
 #include "tandem_cpu.h"
@@ -64,41 +70,6 @@ struct Q4_1x8 {
         row[8 * k + 4 + i] = static_cast<float>(byte >> 4) * d + m;
       }
   }
-
-  // y[r, the group's 8 rows] for R rows of quantized x starting at m0.
-  template <int R>
-  static inline void dot_rows(const QuantizedX& x, int64_t m0, int64_t nb, const uint8_t* group, float* y,
-                              int64_t ldy) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = group + b * kBytes;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-      __m256i q[8];
-      for (int k = 0; k < 4; ++k) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * k));
-        q[2 * k] = _mm256_and_si256(v, low);
-        q[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (m0 + r) * nb + b;
-        const int8_t* qx = x.q.data() + i * kBlock;
-        __m256i sum16 = _mm256_setzero_si256();
-        for (int k = 0; k < 8; ++k) {  // q[k] holds values 4k .. 4k+3 of each row (k even: low, odd: high nibbles)
-          int32_t four;
-          __builtin_memcpy(&four, qx + 4 * k, 4);
-          sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(q[k], _mm256_set1_epi32(four)));
-        }
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));
-        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[i]), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
-  }
 };
 
 struct Q8_0x8 {
@@ -115,35 +86,77 @@ struct Q8_0x8 {
       for (int64_t i = 0; i < 4; ++i)
         row[4 * k + i] = static_cast<float>(static_cast<int8_t>(blk[16 + 32 * k + 4 * n + i])) * d;
   }
-
-  template <int R>
-  static inline void dot_rows(const QuantizedX& x, int64_t m0, int64_t nb, const uint8_t* group, float* y,
-                              int64_t ldy) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = group + b * kBytes;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-      const __m256i* v = reinterpret_cast<const __m256i*>(blk + 16);
-      __m256i magnitude[8];
-      for (int k = 0; k < 8; ++k) magnitude[k] = _mm256_abs_epi8(_mm256_loadu_si256(v + k));
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (m0 + r) * nb + b;
-        const int8_t* qx = x.q.data() + i * kBlock;
-        __m256i sum32 = _mm256_setzero_si256();
-        for (int k = 0; k < 8; ++k) {  // values 4k .. 4k+3 of each row
-          int32_t four;
-          __builtin_memcpy(&four, qx + 4 * k, 4);
-          const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four), _mm256_loadu_si256(v + k));
-          sum32 = _mm256_add_epi32(sum32, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k], signed_x), ones));
-        }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum32), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
-  }
 };
+
+// The inner loops, once per instruction set (quant_x8_dot.h). Machines with VNNI (Cascade Lake and later
+// Xeons, Alder Lake and later cores, Zen 4) do a 4-product sum in one dpbusd where AVX2 needs maddubs, an
+// int16 add and a madd; with AVX-512 there are 32 vector registers, enough for 8 rows of x a tile, and
+// 512-bit ones that take two groups at once (quant_x8_dot512.h).
+namespace avx2 {
+constexpr bool kVnni = false;
+constexpr int kRowTile = 4;
+inline __m256i dpbusd(__m256i acc, __m256i, __m256i) { return acc; }  // never called: kVnni is false
+#include "quant_x8_dot.h"
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avxvnni")
+namespace avx_vnni {
+constexpr bool kVnni = true;
+constexpr int kRowTile = 4;
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#include "quant_x8_dot.h"
+}  // namespace avx_vnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+namespace avx512_vnni {
+constexpr bool kVnni = true;
+constexpr int kRowTile = 8;
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#include "quant_x8_dot.h"
+#include "quant_x8_dot512.h"
+}  // namespace avx512_vnni
+#pragma GCC pop_options
+
+enum class Isa { kAvx2, kAvxVnni, kAvx512Vnni };
+
+Isa best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+    return Isa::kAvx512Vnni;
+  if (__builtin_cpu_supports("avxvnni")) return Isa::kAvxVnni;
+  return Isa::kAvx2;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Vnni: return "avx512_vnni";
+    case Isa::kAvxVnni: return "avx_vnni";
+    default: return "avx2";
+  }
+}
+
+Isa g_isa = best_isa();  // the kernels' instruction set; set_quant_isa narrows it (A/B benches, tests)
+
+// Sets the instruction set by name ("best" for this CPU's best); returns the one now in use. Refuses one
+// the CPU lacks.
+std::string set_quant_isa(const std::string& name) {
+  const Isa best = best_isa();
+  Isa want = best;
+  if (name == "avx2") want = Isa::kAvx2;
+  else if (name == "avx_vnni") want = Isa::kAvxVnni;
+  else if (name == "avx512_vnni") want = Isa::kAvx512Vnni;
+  else TORCH_CHECK(name == "best", "unknown instruction set ", name, "; known: best, avx2, avx_vnni, avx512_vnni");
+  const bool has = want == Isa::kAvx2 || (want == Isa::kAvxVnni && __builtin_cpu_supports("avxvnni")) ||
+                   (want == Isa::kAvx512Vnni && best == Isa::kAvx512Vnni);
+  TORCH_CHECK(has, "this CPU lacks ", name, " (its best is ", isa_name(best), ")");
+  g_isa = want;
+  return isa_name(g_isa);
+}
+
+std::string quant_isa() { return isa_name(g_isa); }
 
 template <typename F>
 at::Tensor to_x8(const at::Tensor& w, int64_t K) {
@@ -174,21 +187,12 @@ at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
   const QuantizedX qx = quantize_x(x.data_ptr<float>(), M, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  constexpr bool kQ4_1 = F::kBytes == Q4_1x8::kBytes;
+  auto* groups_fn = &avx2::x8_groups<kQ4_1>;
+  if (g_isa == Isa::kAvx512Vnni) groups_fn = &avx512_vnni::x8_pair_groups<kQ4_1>;
+  if (g_isa == Isa::kAvxVnni) groups_fn = &avx_vnni::x8_groups<kQ4_1>;
   // Each thread walks its own groups of weight rows; every group meets all of x (M small: x stays in L1/L2).
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* group = wp + g * nb * F::kBytes;
-      float* yg = yp + g * kX8Rows;
-      int64_t m = 0;
-      for (; m + kRowTile <= M; m += kRowTile) F::template dot_rows<kRowTile>(qx, m, nb, group, yg + m * N, N);
-      switch (M - m) {
-        case 3: F::template dot_rows<3>(qx, m, nb, group, yg + m * N, N); break;
-        case 2: F::template dot_rows<2>(qx, m, nb, group, yg + m * N, N); break;
-        case 1: F::template dot_rows<1>(qx, m, nb, group, yg + m * N, N); break;
-        default: break;
-      }
-    }
-  });
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) { groups_fn(qx, M, nb, wp, begin, end, yp, N); });
   return y;
 }
 
@@ -225,6 +229,9 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("q8_0_to_x8(Tensor w, int k) -> Tensor");
   m.def("q8_0x8_linear(Tensor x, Tensor w) -> Tensor");
   m.def("q8_0x8_dequantize(Tensor w, int k) -> Tensor");
+  // No tensor arguments, so no dispatch key: these two are registered with their definitions (CatchAll).
+  m.def("quant_isa() -> str", &quant_isa);
+  m.def("set_quant_isa(str name) -> str", &set_quant_isa);
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

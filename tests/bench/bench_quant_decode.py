@@ -7,8 +7,9 @@ read bandwidth). Measured side by side in one run:
 1. the machine's read bandwidth (torch ``sum`` over 512 MB, median of 5);
 2. the bytes of weights one step reads, as the GGUF ships them (Q4_1 layers, Q8_0 head) and dequantized
    to fp32, and the floor each sets;
-3. decode-only engine steps (median) at batch 1 and 8, quantized and dense, with fresh random prompts
-   of 100-160 tokens (no prefix shared between requests: caches cold).
+3. decode-only engine steps (median) at batch 1 and 8, quantized (on each instruction set of the kernels
+   this CPU has: AVX2, and VNNI where it has it) and dense, with fresh random prompts of 100-160 tokens (no
+   prefix shared between requests: caches cold).
 Targets (issue 20): quantized batch 1 <= 1.3x its floor; a batch-8 step <= 2x a batch-1 step.
 """
 
@@ -78,6 +79,17 @@ def decode_step_seconds(engine: Engine, batch: int, steps: int, rng: random.Rand
     return statistics.median(times)
 
 
+def instruction_sets() -> list[str]:
+    """The quantized kernels' instruction sets this CPU runs (``set_quant_isa`` refuses the others)."""
+    have = []
+    for isa in ("avx2", "avx_vnni", "avx512_vnni"):
+        try:
+            have.append(torch.ops.tandem_cpu.set_quant_isa(isa))
+        except RuntimeError:
+            pass
+    return have
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
@@ -93,16 +105,23 @@ def main() -> None:
         engine = Engine(EngineConfig(weight_format=fmt, num_kv_blocks=512, enable_prefix_caching=False))
         nbytes = weight_bytes(engine.model)
         decode_step_seconds(engine, 1, 4, rng)  # warm-up: the process meets its shapes
-        b1 = decode_step_seconds(engine, 1, args.steps, rng)
-        b8 = decode_step_seconds(engine, 8, args.steps, rng)
-        rows[fmt] = (nbytes, nbytes / bandwidth, b1, b8)
+        for isa in instruction_sets() if fmt == "gguf" else [None]:
+            name = fmt if isa is None else f"{fmt} {isa}"
+            if isa is not None:
+                torch.ops.tandem_cpu.set_quant_isa(isa)
+            b1 = decode_step_seconds(engine, 1, args.steps, rng)
+            b8 = decode_step_seconds(engine, 8, args.steps, rng)
+            rows[name] = (nbytes, nbytes / bandwidth, b1, b8)
+        torch.ops.tandem_cpu.set_quant_isa("best")
+        best = f"gguf {torch.ops.tandem_cpu.quant_isa()}"
         del engine
-    print(f"{'weights':<8} {'MB/step':>8} {'floor ms':>9} {'b1 ms':>7} {'b1/floor':>9} {'b8 ms':>7} {'b8/b1':>6} "
+    print(f"{'weights':<17} {'MB/step':>8} {'floor ms':>9} {'b1 ms':>7} {'b1/floor':>9} {'b8 ms':>7} {'b8/b1':>6} "
           f"{'tok/s b1':>9} {'tok/s b8':>9}")
     for fmt, (nbytes, floor, b1, b8) in rows.items():
-        print(f"{fmt:<8} {nbytes / 1e6:8.1f} {floor * 1e3:9.1f} {b1 * 1e3:7.1f} {b1 / floor:9.2f} {b8 * 1e3:7.1f} "
+        print(f"{fmt:<17} {nbytes / 1e6:8.1f} {floor * 1e3:9.1f} {b1 * 1e3:7.1f} {b1 / floor:9.2f} {b8 * 1e3:7.1f} "
               f"{b8 / b1:6.2f} {1 / b1:9.1f} {8 / b8:9.1f}")
-    q, d = rows["gguf"], rows["dense"]
+    q, d = rows[best], rows["dense"]
+    print(f"the quantized rows below: {best} (this CPU's best instruction set)")
     print(f"quantized vs dense: batch 1 {d[2] / q[2]:.2f}x faster, batch 8 {d[3] / q[3]:.2f}x faster")
     print(f"targets: quantized b1/floor {q[2] / q[1]:.2f} (<= 1.3), b8/b1 {q[3] / q[2]:.2f} (<= 2.0)")
 

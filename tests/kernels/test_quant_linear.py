@@ -77,6 +77,46 @@ def test_linear_matches_dequantized_matmul(fmt: str, m: int) -> None:
     assert ((got - exact).norm() / exact.norm()).item() < 0.02  # what 8-bit activations cost
 
 
+def instruction_sets() -> list[str]:
+    """The kernels' instruction sets this CPU runs (avx2 always; the VNNI ones where the CPU has them)."""
+    have = []
+    for isa in ("avx2", "avx_vnni", "avx512_vnni"):
+        try:
+            have.append(torch.ops.tandem_cpu.set_quant_isa(isa))
+        except RuntimeError:
+            pass
+    torch.ops.tandem_cpu.set_quant_isa("best")
+    return have
+
+
+@pytest.mark.parametrize("fmt", ["q4_1x8", "q8_0x8"])
+def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
+    """VNNI's dpbusd sums the same integers as AVX2's maddubs chain, and the float work after is the same:
+    a row's output must not depend on the machine's instruction set (nor on the row tile, 4 or 8, nor on
+    whether its group was paired for 512-bit vectors)."""
+    w, _ = random_weight(fmt, 72, 192, seed=3)  # 9 groups of 8: pairs for 512-bit vectors, and one left
+    x = torch.randn(21, 192, generator=torch.Generator().manual_seed(3))
+    x[:, 5] *= 40
+    outputs = {}
+    try:
+        for isa in instruction_sets():
+            torch.ops.tandem_cpu.set_quant_isa(isa)
+            outputs[isa] = {m: quant_linear.linear(x[:m], w) for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 21)}
+    finally:
+        torch.ops.tandem_cpu.set_quant_isa("best")
+    assert "avx2" in outputs
+    for isa, by_rows in outputs.items():
+        for m, y in by_rows.items():
+            assert torch.equal(y, outputs["avx2"][m]), (isa, m)
+            assert torch.equal(y, outputs["avx2"][21][:m]), (isa, m)  # a row's output is its own
+
+
+def test_unknown_instruction_set_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="unknown instruction set sse4"):
+        torch.ops.tandem_cpu.set_quant_isa("sse4")
+    assert torch.ops.tandem_cpu.quant_isa() in instruction_sets()
+
+
 def test_bundled_gguf_blocks(quantized_model, dense_model) -> None:
     """The model's stacked Q/K/V blocks, un-permuted by whole rows (then interleaved by 8), equal the dense
     (HF-layout) weights."""

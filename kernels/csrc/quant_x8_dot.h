@@ -1,0 +1,127 @@
+// The inner loops of quant_linear_x8_cpu.cpp, compiled once per instruction set: that file includes this
+// header inside a namespace that first defines
+//
+//   constexpr bool kVnni;      // whether dpbusd (u8 x s8, 4 products summed into i32) is there
+//   constexpr int kRowTile;    // rows of x that share one unpacked block (32 vector registers: 8, 16: 4)
+//   __m256i dpbusd(acc, u, s)  // acc + the 4-product sums (only called where kVnni)
+//
+// under the matching `#pragma GCC target`. No #include here: it is textually part of that namespace.
+//
+// The integer sums are the same on every path (no step saturates: see each format's note), and the float
+// work after them is the same in the same order, so every path gives bit-identical outputs.
+
+// y[r, the group's 8 rows] for R rows of quantized x starting at m0 (layout: quant_linear_x8_cpu.cpp).
+template <int R>
+inline void q4_1x8_dot_rows(const tandem_quant::QuantizedX& x, int64_t m0, int64_t nb, const uint8_t* group,
+                            float* y, int64_t ldy) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * 160;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    __m256i q[8];
+    for (int k = 0; k < 4; ++k) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * k));
+      q[2 * k] = _mm256_and_si256(v, low);
+      q[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    _Pragma("GCC unroll 8")  // acc[] stays in registers only with the rows unrolled
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * nb + b;
+      const int8_t* qx = x.q.data() + i * 32;
+      __m256i sum32;
+      if constexpr (kVnni) {
+        // Two chains of 4, so the dpbusd latency overlaps (a chain of 8 waits on each result in turn).
+        __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+        for (int k = 0; k < 8; k += 2) {  // q[k] holds values 4k .. 4k+3 of each row
+          int32_t a, c;
+          __builtin_memcpy(&a, qx + 4 * k, 4);
+          __builtin_memcpy(&c, qx + 4 * k + 4, 4);
+          even = dpbusd(even, q[k], _mm256_set1_epi32(a));
+          odd = dpbusd(odd, q[k + 1], _mm256_set1_epi32(c));
+        }
+        sum32 = _mm256_add_epi32(even, odd);
+      } else {
+        // 8 maddubs results add up in int16 without overflow (8 * 2 * 15 * 127 = 30480 < 32767).
+        __m256i sum16 = _mm256_setzero_si256();
+        for (int k = 0; k < 8; ++k) {
+          int32_t four;
+          __builtin_memcpy(&four, qx + 4 * k, 4);
+          sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(q[k], _mm256_set1_epi32(four)));
+        }
+        sum32 = _mm256_madd_epi16(sum16, _mm256_set1_epi16(1));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum32), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// Q8_0: both sides signed, so |v| times x carrying v's signs (llama.cpp's trick). A maddubs pair reaches
+// at most 2 * 128 * 127 = 32512 (v = -128 reads as 128 unsigned): no saturation either way.
+template <int R>
+inline void q8_0x8_dot_rows(const tandem_quant::QuantizedX& x, int64_t m0, int64_t nb, const uint8_t* group,
+                            float* y, int64_t ldy) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = group + b * 272;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256i* v = reinterpret_cast<const __m256i*>(blk + 16);
+    __m256i magnitude[8];
+    for (int k = 0; k < 8; ++k) magnitude[k] = _mm256_abs_epi8(_mm256_loadu_si256(v + k));
+    _Pragma("GCC unroll 8")  // acc[] stays in registers only with the rows unrolled
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * nb + b;
+      const int8_t* qx = x.q.data() + i * 32;
+      __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+      for (int k = 0; k < 8; k += 2) {  // values 4k .. 4k+3 of each row
+        int32_t a, c;
+        __builtin_memcpy(&a, qx + 4 * k, 4);
+        __builtin_memcpy(&c, qx + 4 * k + 4, 4);
+        const __m256i sa = _mm256_sign_epi8(_mm256_set1_epi32(a), _mm256_loadu_si256(v + k));
+        const __m256i sc = _mm256_sign_epi8(_mm256_set1_epi32(c), _mm256_loadu_si256(v + k + 1));
+        if constexpr (kVnni) {
+          even = dpbusd(even, magnitude[k], sa);
+          odd = dpbusd(odd, magnitude[k + 1], sc);
+        } else {
+          const __m256i ones = _mm256_set1_epi16(1);
+          even = _mm256_add_epi32(even, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k], sa), ones));
+          odd = _mm256_add_epi32(odd, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k + 1], sc), ones));
+        }
+      }
+      const __m256i sum32 = _mm256_add_epi32(even, odd);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum32), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
+// Groups [g0, g1) of 8 weight rows against all M rows of x; y [M, N].
+template <bool kQ4_1>
+inline void x8_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t nb, const uint8_t* w, int64_t g0,
+                      int64_t g1, float* y, int64_t N) {
+  const int64_t group_bytes = nb * (kQ4_1 ? 160 : 272);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* group = w + g * group_bytes;
+    float* yg = y + g * 8;
+    int64_t m = 0;
+    auto rows = [&](auto tile) {
+      constexpr int T = decltype(tile)::value;
+      if constexpr (kQ4_1) q4_1x8_dot_rows<T>(x, m, nb, group, yg + m * N, N);
+      else q8_0x8_dot_rows<T>(x, m, nb, group, yg + m * N, N);
+      m += T;
+    };
+    while (m + kRowTile <= M) rows(std::integral_constant<int, kRowTile>{});
+    if (M - m >= 4 && kRowTile > 4) rows(std::integral_constant<int, 4>{});
+    switch (M - m) {
+      case 3: rows(std::integral_constant<int, 3>{}); break;
+      case 2: rows(std::integral_constant<int, 2>{}); break;
+      case 1: rows(std::integral_constant<int, 1>{}); break;
+      default: break;
+    }
+  }
+}
