@@ -37,6 +37,9 @@ class ModelSection(_Strict):
     # gguf: a GGUF's Q4_1/Q8_0 blocks through the compiled CPU kernel; dense: dequantized to dtype;
     # auto: gguf on CPU in float32 where the kernel builds, else dense.
     weight_format: Literal["auto", "gguf", "dense"] = "auto"
+    # The KV cache's element type, one for every pool (a prefill worker's blocks land in a decode worker's
+    # cache as they are); auto: float16 where decode runs the compiled CPU stack over GGUF blocks, else dtype.
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(default=2048, ge=16)
 
 
@@ -230,7 +233,7 @@ class ClusterConfig(_Strict):
         num_kv_blocks = (profile.kv_tokens_per_worker // e.block_size
                          if profile is not None and e.kv_cache_bytes is None else None)
         return EngineConfig(model=self.model.path, dtype=self.model.dtype, weight_format=self.model.weight_format,
-                            max_model_len=self.model.max_model_len,
+                            kv_cache_dtype=self.model.kv_cache_dtype, max_model_len=self.model.max_model_len,
                             block_size=e.block_size, kv_cache_bytes=e.kv_cache_bytes,
                             kv_cache_memory_fraction=e.kv_cache_memory_fraction, max_num_seqs=e.max_num_seqs,
                             max_num_batched_tokens=e.max_num_batched_tokens,

@@ -69,7 +69,11 @@ class Launcher:
             model = open_model(self.config.model.path).config
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.path: {e}") from None
-        itemsize = 2 if self.config.model.dtype in ("float16", "bfloat16") else 4
+        m = self.config.model
+        kv_dtype = m.kv_cache_dtype
+        if kv_dtype == "auto":  # each worker decides (fp16 under GGUF weights on CPU): assume the smaller here,
+            kv_dtype = m.dtype if m.weight_format == "dense" else "float16"  # the engine checks again at start
+        itemsize = 2 if kv_dtype in ("float16", "bfloat16") else 4
         check_kv_budget(self.config, model.kv_bytes_per_token(itemsize), model.max_position_embeddings)
 
     def start(self) -> None:

@@ -65,9 +65,10 @@ class DecoderStack:
         return DecoderStack(weights, formats, num_heads, num_kv_heads)
 
     def takes(self, num_tokens: int, num_decode_tokens: int, h: Tensor, kv_cache: Tensor) -> bool:
-        """Whether this step is one the compiled stack runs: decode only, fp32 on CPU."""
+        """Whether this step is one the compiled stack runs: decode only, fp32 on CPU (an fp32 or fp16 cache)."""
         return (num_decode_tokens == num_tokens and h.dtype == torch.float32
-                and kv_cache.dtype == torch.float32 and h.device.type == "cpu" and kv_cache.device.type == "cpu")
+                and kv_cache.dtype in cpu_kernel.CACHE_DTYPES and h.device.type == "cpu"
+                and kv_cache.device.type == "cpu")
 
     def run_(self, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slot_mapping: Tensor, block_tables: Tensor,
              seq_lens: Tensor, *, scale: float, eps: float) -> None:

@@ -56,8 +56,9 @@ def _prefill_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     num_seqs = seq_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     max_q = int(q_lens.max())
-    k = _gather_kv(k_cache, block_tables, int(seq_lens.max()))
-    v = _gather_kv(v_cache, block_tables, int(seq_lens.max()))
+    # A cache narrower than q (fp16 under fp32 activations) is widened after the gather: only the rows read.
+    k = _gather_kv(k_cache, block_tables, int(seq_lens.max())).to(q.dtype)
+    v = _gather_kv(v_cache, block_tables, int(seq_lens.max())).to(q.dtype)
     # Pad queries to [S, max_q]: row i of sequence s is packed row start_s + i.
     rows = torch.arange(max_q, device=q.device)
     is_real = rows < q_lens.unsqueeze(1)  # [S, max_q]

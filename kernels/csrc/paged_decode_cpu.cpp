@@ -7,7 +7,7 @@
 // calling thread's torch thread count). Written with ATen's own vector types (at::vec), as
 // PyTorch's CPU attention kernels are.
 //
-//   q [B, H, D] fp32, k_cache/v_cache [num_blocks, block_size, KVH, D] fp32, block_tables [B, M] int32,
+//   q [B, H, D] fp32, k_cache/v_cache [num_blocks, block_size, KVH, D] fp32 or fp16, block_tables [B, M] int32,
 //   seq_lens [B] int32, scale  ->  out [B, H, D] fp32
 
 #include <ATen/Parallel.h>
@@ -15,12 +15,14 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/Half.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
 #include <cstdint>
+#include <immintrin.h>
 #include <vector>
 
 #include "tandem_cpu.h"
@@ -34,15 +36,22 @@ struct Shape {
   int64_t num_heads, kv_heads, per_kv, block_size, max_blocks, row_stride;
 };
 
+// One cache row's 8 values from c * 8 on, as fp32: the cache holds fp32, or fp16 (half the bytes a step
+// reads; F16C converts 8 at a time, exactly).
+inline Vec load8(const float* p) { return Vec::loadu(p); }
+inline Vec load8(const at::Half* p) {
+  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // Scores of one (sequence, KV head): q_j . k_t * scale for every query head j of the group, token t.
-template <int64_t D>
-void score(const float* q_scaled, const float* k_cache, const int32_t* table, int64_t len, const Shape& s,
+template <int64_t D, typename T>
+void score(const float* q_scaled, const T* k_cache, const int32_t* table, int64_t len, const Shape& s,
            int64_t g, float* scores, int64_t stride) {
   constexpr int64_t kChunks = D / Vec::size();
   for (int64_t t = 0; t < len; ++t) {
-    const float* k = k_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * s.row_stride + g * D;
+    const T* k = k_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * s.row_stride + g * D;
     Vec kv[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) kv[c] = Vec::loadu(k + c * Vec::size());
+    for (int64_t c = 0; c < kChunks; ++c) kv[c] = load8(k + c * Vec::size());
     for (int64_t j = 0; j < s.per_kv; ++j) {
       const float* qj = q_scaled + j * D;
       Vec acc = Vec::loadu(qj) * kv[0];
@@ -74,8 +83,8 @@ float softmax_numerators(float* x, int64_t len) {
 }
 
 // out_j = sum_t p_j[t] v_t, one block of tokens at a time so that each head's accumulator stays in registers.
-template <int64_t D>
-void weigh_values(const float* probs, int64_t stride, const float* v_cache, const int32_t* table, int64_t len,
+template <int64_t D, typename T>
+void weigh_values(const float* probs, int64_t stride, const T* v_cache, const int32_t* table, int64_t len,
                   const Shape& s, int64_t g, const float* inv_sum, float* out) {
   constexpr int64_t kChunks = D / Vec::size();
   for (int64_t j = 0; j < s.per_kv; ++j) {
@@ -83,12 +92,12 @@ void weigh_values(const float* probs, int64_t stride, const float* v_cache, cons
     for (int64_t c = 0; c < kChunks; ++c) acc[c] = Vec(0.f);
     const float* pj = probs + j * stride;
     for (int64_t start = 0; start < len; start += s.block_size) {
-      const float* vb = v_cache + table[start / s.block_size] * s.block_size * s.row_stride + g * D;
+      const T* vb = v_cache + table[start / s.block_size] * s.block_size * s.row_stride + g * D;
       const int64_t n = std::min(s.block_size, len - start);
       for (int64_t i = 0; i < n; ++i) {
         const Vec p(pj[start + i]);
-        const float* v = vb + i * s.row_stride;
-        for (int64_t c = 0; c < kChunks; ++c) acc[c] = at::vec::fmadd(p, Vec::loadu(v + c * Vec::size()), acc[c]);
+        const T* v = vb + i * s.row_stride;
+        for (int64_t c = 0; c < kChunks; ++c) acc[c] = at::vec::fmadd(p, load8(v + c * Vec::size()), acc[c]);
       }
     }
     const Vec scale(inv_sum[j]);
@@ -96,15 +105,15 @@ void weigh_values(const float* probs, int64_t stride, const float* v_cache, cons
   }
 }
 
-template <int64_t D>
+template <int64_t D, typename T>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
             const at::Tensor& seq_lens, float scale, at::Tensor& out) {
   const int64_t batch = q.size(0);
   const Shape s{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), k_cache.size(1), block_tables.size(1),
                 k_cache.size(2) * D};
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
@@ -119,10 +128,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t stride = (len + Vec::size() - 1) / Vec::size() * Vec::size();
       scores.resize(s.per_kv * stride);
       const int32_t* table = tables + b * s.max_blocks;
-      score<D>(q_scaled.data(), kp, table, len, s, g, scores.data(), stride);
+      score<D, T>(q_scaled.data(), kp, table, len, s, g, scores.data(), stride);
       float inv_sum[kMaxHeadsPerKV];
       for (int64_t j = 0; j < s.per_kv; ++j) inv_sum[j] = softmax_numerators(scores.data() + j * stride, len);
-      weigh_values<D>(scores.data(), stride, vp, table, len, s, g, inv_sum, op + (b * s.num_heads + g * s.per_kv) * D);
+      weigh_values<D, T>(scores.data(), stride, vp, table, len, s, g, inv_sum, op + (b * s.num_heads + g * s.per_kv) * D);
     }
   });
 }
@@ -134,8 +143,10 @@ namespace tandem_cpu {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "fp32 tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be fp32");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "the caches must both be fp32 or both fp16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous tensors only");
@@ -143,12 +154,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxHeadsPerKV, "too many query heads per KV head");
   at::Tensor out = at::empty_like(q);
   const float fscale = static_cast<float>(scale);
+  const bool half = k_cache.scalar_type() == at::kHalf;
   switch (q.size(2)) {  // the head size is a compile-time constant, so a row's vectors live in registers
-    case 16: attend<16>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); break;
-    case 32: attend<32>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); break;
-    case 64: attend<64>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); break;
-    case 128: attend<128>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); break;
-    case 256: attend<256>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); break;
+#define TANDEM_ATTEND(D)                                                                                   \
+  case D:                                                                                                  \
+    if (half) attend<D, at::Half>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);               \
+    else attend<D, float>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);                       \
+    break;
+    TANDEM_ATTEND(16)
+    TANDEM_ATTEND(32)
+    TANDEM_ATTEND(64)
+    TANDEM_ATTEND(128)
+    TANDEM_ATTEND(256)
+#undef TANDEM_ATTEND
     default: TORCH_CHECK(false, "head_dim ", q.size(2), " not supported (16, 32, 64, 128, 256)");
   }
   return out;
@@ -156,29 +174,48 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 // Each token's K and V rows into its cache slot (slot -1: a padding token, skipped): one copy a row, where
 // the torch path's validity mask, gathers and index_copy_ cost ~40 us a layer for a single decode token.
+// fp32 rows into an fp16 cache are rounded to nearest even, as torch's .to(float16) rounds.
 //   k, v [T, KVH, D] (rows may be strided views of a fused QKV), caches [num_blocks, block_size, KVH, D]
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "bad shapes");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtypes differ");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "K and V must share a dtype, and so must their caches");
+  const bool to_half = k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() || to_half, "rows of ", k.scalar_type(),
+              " cannot go into a cache of ", k_cache.scalar_type(), " (same dtype, or fp32 into fp16)");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "each token's K and V heads must be one contiguous row");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches only");
   TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == k.size(1) * k.size(2), "head shapes disagree");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt, "integer slots");
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = k.size(1) * k.size(2);
+  const int64_t row_bytes = row * k_cache.element_size();
   const int64_t* sp = slots.data_ptr<int64_t>();
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
+  const auto put = [&](char* dst, const char* src) {
+    if (!to_half) {
+      std::memcpy(dst, src, row_bytes);
+      return;
+    }
+    const float* from = reinterpret_cast<const float*>(src);
+    auto* to = reinterpret_cast<uint16_t*>(dst);
+    int64_t i = 0;
+    for (; i + 8 <= row; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < row; ++i) to[i] = _cvtss_sh(from[i], _MM_FROUND_TO_NEAREST_INT);
+  };
   for (int64_t t = 0; t < k.size(0); ++t) {
     if (sp[t] < 0) continue;
     TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " past the cache's ", num_slots);
-    std::memcpy(kc + sp[t] * row_bytes, kp + t * k.stride(0) * k.element_size(), row_bytes);
-    std::memcpy(vc + sp[t] * row_bytes, vp + t * v.stride(0) * v.element_size(), row_bytes);
+    put(kc + sp[t] * row_bytes, kp + t * k.stride(0) * k.element_size());
+    put(vc + sp[t] * row_bytes, vp + t * v.stride(0) * v.element_size());
   }
 }
 

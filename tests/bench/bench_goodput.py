@@ -1,14 +1,15 @@
 """Goodput at a chat SLO: the default ``tandem serve`` against llama.cpp's ``llama-server`` on this machine.
 
-    .venv/bin/python tests/bench/bench_goodput.py [--rates 0.05,0.1,0.2,0.3,0.45] [--num-requests 24]
-        [--llama-server PATH] [--config YAML] [--out runs/goodput]
+    .venv/bin/python tests/bench/bench_goodput.py [--rates 0.1,0.3,0.6,1.0,1.4] [--num-requests 24]
+        [--llama-server PATH] [--config YAML] [--out runs/goodput] [--report-only]
 
 Both servers run the bundled SmolLM2-135M GGUF, one after the other, driven by the same seeded
 ``tandem loadgen`` workload at each rate: Poisson arrivals, new prompts of 200-500 tokens for every
 request (each rate its own seed, so neither server's prompt cache hits), 64-256 output tokens, a
 quarter of the chats sent without max_tokens (they end at EOS or max_model_len). A request meets the
 SLO with TTFT <= 2 s and TPOT <= 100 ms. Capacity is the highest rate at which >= 90% meet it; the
-ratio of capacities is the figure of issue 20 (target >= 1.5).
+ratio of capacities is the figure of issue 20 (target >= 1.5). The same runs are also read at the issue's
+looser SLO (TTFT <= 5 s, TPOT <= 250 ms), where a peer that meets the chat SLO at no rate still has a capacity.
 
 llama-server is not a Python package: build it with the recipe in ../shared/PEERS.md and pass its
 path (or set LLAMA_SERVER). Without it the bench measures Tandem alone and says so.
@@ -24,16 +25,22 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from loadgen.metrics import RequestRecord  # noqa: E402
 from workers.model.loader import default_model_path  # noqa: E402
 
 SLO_TTFT_MS, SLO_TPOT_MS, TARGET = 2000.0, 100.0, 0.9
+# The issue's looser SLO, read off the same runs: where a peer meets the chat SLO at no rate (llama.cpp here:
+# a prompt of ~400 tokens alone takes it over 2 s), this one still gives a capacity ratio.
+LOOSE_TTFT_MS, LOOSE_TPOT_MS = 5000.0, 250.0
 
 
 def log(msg: str) -> None:
@@ -77,15 +84,28 @@ def start_llama(binary: str, port: int, log_dir: Path) -> subprocess.Popen[bytes
     return subprocess.Popen(cmd, stdout=open(log_dir / "llama.log", "wb"), stderr=subprocess.STDOUT)
 
 
+def loose_attainment(report: dict[str, Any]) -> float:
+    """The share of a run's requests that meet the looser SLO (loadgen's own rule, at other bounds)."""
+    names = {f.name for f in fields(RequestRecord)}
+    records = [RequestRecord(**{k: v for k, v in r.items() if k in names}) for r in report["requests"]]
+    return sum(r.meets_slo(LOOSE_TTFT_MS, LOOSE_TPOT_MS) for r in records) / max(1, len(records))
+
+
 def run_rate(url: str, rate: float, seed: int, num_requests: int, out: Path) -> dict[str, float]:
     cmd = [sys.executable, "-m", "loadgen", "--url", url, "--rate", str(rate), "--num-requests", str(num_requests),
            "--input-len", "uniform:200:500", "--output-len", "uniform:64:256", "--open-ended", "0.25",
            "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS), "--seed", str(seed),
            "--no-progress", "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    s = json.loads((out / "report.json").read_text())["summary"]
+    return read_point(out)
+
+
+def read_point(out: Path) -> dict[str, float]:
+    report = json.loads((out / "report.json").read_text())
+    s = report["summary"]
     return {"attainment": s["slo_attainment"], "ttft_p50": s["ttft_ms"]["p50"], "tpot_p50": s["tpot_ms"]["p50"],
-            "ttft_p90": s["ttft_ms"]["p90"], "tpot_p90": s["tpot_ms"]["p90"], "errors": s["num_errors"]}
+            "ttft_p90": s["ttft_ms"]["p90"], "tpot_p90": s["tpot_ms"]["p90"], "errors": s["num_errors"],
+            "loose_attainment": loose_attainment(report)}
 
 
 def sweep(name: str, proc: subprocess.Popen[bytes], url: str, rates: list[float], args: argparse.Namespace,
@@ -105,29 +125,37 @@ def sweep(name: str, proc: subprocess.Popen[bytes], url: str, rates: list[float]
         stop(proc)
 
 
-def capacity(points: dict[float, dict[str, float]]) -> float:
-    good = [r for r, p in points.items() if p["attainment"] >= TARGET]
+def capacity(points: dict[float, dict[str, float]], key: str = "attainment") -> float:
+    good = [r for r, p in points.items() if p[key] >= TARGET]
     return max(good, default=0.0)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="0.05,0.1,0.2,0.3,0.45")
+    parser.add_argument("--rates", default="0.1,0.3,0.6,1.0,1.4")
     parser.add_argument("--num-requests", type=int, default=24)
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"))
     parser.add_argument("--config", default=None, help="tandem cluster YAML (default: the built-in default)")
     parser.add_argument("--out", default="runs/goodput")
+    parser.add_argument("--report-only", action="store_true",
+                        help="print the tables from the runs already under --out (no servers started)")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"tandem": sweep("tandem", start_tandem(8100, args.config, out), "http://127.0.0.1:8100", rates,
-                               args, out)}
-    if args.llama_server:
-        results["llama.cpp"] = sweep("llama.cpp", start_llama(args.llama_server, 8200, out), "http://127.0.0.1:8200",
-                                     rates, args, out)
+    results: dict[str, dict[float, dict[str, float]]] = {}
+    if args.report_only:
+        for name in ("tandem", "llama.cpp"):
+            if (out / name).is_dir():
+                results[name] = {r: read_point(out / name / f"rate_{r:g}") for r in rates}
     else:
-        log("no llama-server given (--llama-server or LLAMA_SERVER): Tandem alone")
+        results["tandem"] = sweep("tandem", start_tandem(8100, args.config, out), "http://127.0.0.1:8100", rates,
+                                  args, out)
+        if args.llama_server:
+            results["llama.cpp"] = sweep("llama.cpp", start_llama(args.llama_server, 8200, out),
+                                         "http://127.0.0.1:8200", rates, args, out)
+        else:
+            log("no llama-server given (--llama-server or LLAMA_SERVER): Tandem alone")
     print(f"SLO: TTFT <= {SLO_TTFT_MS:.0f} ms, TPOT <= {SLO_TPOT_MS:.0f} ms; {args.num_requests} requests a rate")
     print(f"{'rate':>6} | " + " | ".join(f"{n:^38}" for n in results))
     print(f"{'req/s':>6} | " + " | ".join(f"{'met':>5} {'TTFT p50/p90 ms':>16} {'TPOT p50/p90':>14}" for _ in results))
@@ -141,9 +169,15 @@ def main() -> None:
         print(f"tandem / llama.cpp capacity: {caps['tandem'] / caps['llama.cpp']:.2f} (target >= 1.5)")
     elif "llama.cpp" in caps:
         print("llama.cpp meets the SLO at none of these rates: no capacity ratio (add lower rates)")
+    loose = {n: capacity(p, "loose_attainment") for n, p in results.items()}
+    print(f"at the looser SLO (TTFT <= {LOOSE_TTFT_MS:.0f} ms, TPOT <= {LOOSE_TPOT_MS:.0f} ms), the same runs: "
+          + ", ".join(f"{n} {p[r]['loose_attainment']:.0%} at {r:g}" for n, p in results.items() for r in rates))
+    print("capacity at the looser SLO: " + ", ".join(f"{n} {c:g} req/s" for n, c in loose.items()))
+    if "llama.cpp" in loose and loose["llama.cpp"]:
+        print(f"tandem / llama.cpp capacity at the looser SLO: {loose['tandem'] / loose['llama.cpp']:.2f}")
     (out / "summary.json").write_text(json.dumps({"rates": rates, "results": {n: {str(r): p for r, p in pts.items()}
                                                                               for n, pts in results.items()},
-                                                  "capacity": caps}, indent=1))
+                                                  "capacity": caps, "capacity_loose_slo": loose}, indent=1))
 
 
 if __name__ == "__main__":

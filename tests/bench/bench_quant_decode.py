@@ -8,8 +8,9 @@ read bandwidth). Measured side by side in one run:
 2. the bytes of weights one step reads, as the GGUF ships them (Q4_1 layers, Q8_0 head) and dequantized
    to fp32, and the floor each sets;
 3. decode-only engine steps (median) at batch 1 and 8, quantized (on each instruction set of the kernels
-   this CPU has: AVX2, and VNNI where it has it) and dense, with fresh random prompts of 100-160 tokens (no
-   prefix shared between requests: caches cold).
+   this CPU has: AVX2, and VNNI where it has it; on the default fp16 KV cache and on an fp32 one) and
+   dense, with fresh random prompts of 100-160 tokens (no prefix shared between requests: caches cold),
+   and at batch 8 with prompts of 400-500 tokens (where the KV cache's bytes weigh).
 Targets (issue 20): quantized batch 1 <= 1.3x its floor; a batch-8 step <= 2x a batch-1 step.
 """
 
@@ -62,11 +63,12 @@ def weight_bytes(model: LlamaModel) -> int:
     return total
 
 
-def decode_step_seconds(engine: Engine, batch: int, steps: int, rng: random.Random) -> float:
+def decode_step_seconds(engine: Engine, batch: int, steps: int, rng: random.Random,
+                        prompt_lens: tuple[int, int] = (100, 160)) -> float:
     """Median seconds of a decode-only step with ``batch`` requests running."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
-        prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(100, 160))]
+        prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(*prompt_lens))]
         engine.add_request(prompt, params)
     times: list[float] = []
     while engine.has_unfinished and len(times) < steps:
@@ -100,28 +102,38 @@ def main() -> None:
     bandwidth = read_bandwidth()
     print(f"threads {args.threads}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows = {}
-    for fmt in ("gguf", "dense"):
-        log(f"loading the default model ({fmt})")
-        engine = Engine(EngineConfig(weight_format=fmt, num_kv_blocks=512, enable_prefix_caching=False))
+    best = "gguf"
+    # (weights, KV cache dtype): the default (GGUF blocks, an fp16 cache), the same on an fp32 cache, dense.
+    for fmt, kv in (("gguf", "auto"), ("gguf", "float32"), ("dense", "auto")):
+        log(f"loading the default model ({fmt}, KV cache {kv})")
+        engine = Engine(EngineConfig(weight_format=fmt, kv_cache_dtype=kv, num_kv_blocks=1024,
+                                     enable_prefix_caching=False))
         nbytes = weight_bytes(engine.model)
+        kv_name = f"fp{engine.runner.kv_cache.element_size() * 8}"
         decode_step_seconds(engine, 1, 4, rng)  # warm-up: the process meets its shapes
-        for isa in instruction_sets() if fmt == "gguf" else [None]:
-            name = fmt if isa is None else f"{fmt} {isa}"
+        isas = instruction_sets() if (fmt, kv) == ("gguf", "auto") else [None]
+        for isa in isas:
             if isa is not None:
                 torch.ops.tandem_cpu.set_quant_isa(isa)
+            else:
+                torch.ops.tandem_cpu.set_quant_isa("best")
+            isa_name = (isa or torch.ops.tandem_cpu.quant_isa()) if fmt == "gguf" else "-"
+            name = f"{fmt} {isa_name} KV {kv_name}"
             b1 = decode_step_seconds(engine, 1, args.steps, rng)
             b8 = decode_step_seconds(engine, 8, args.steps, rng)
-            rows[name] = (nbytes, nbytes / bandwidth, b1, b8)
+            b8_long = decode_step_seconds(engine, 8, args.steps, rng, prompt_lens=(400, 500))
+            rows[name] = (nbytes, nbytes / bandwidth, b1, b8, b8_long)
+            if isa is not None and isa == isas[-1]:
+                best = name
         torch.ops.tandem_cpu.set_quant_isa("best")
-        best = f"gguf {torch.ops.tandem_cpu.quant_isa()}"
         del engine
-    print(f"{'weights':<17} {'MB/step':>8} {'floor ms':>9} {'b1 ms':>7} {'b1/floor':>9} {'b8 ms':>7} {'b8/b1':>6} "
-          f"{'tok/s b1':>9} {'tok/s b8':>9}")
-    for fmt, (nbytes, floor, b1, b8) in rows.items():
-        print(f"{fmt:<17} {nbytes / 1e6:8.1f} {floor * 1e3:9.1f} {b1 * 1e3:7.1f} {b1 / floor:9.2f} {b8 * 1e3:7.1f} "
-              f"{b8 / b1:6.2f} {1 / b1:9.1f} {8 / b8:9.1f}")
-    q, d = rows[best], rows["dense"]
-    print(f"the quantized rows below: {best} (this CPU's best instruction set)")
+    print(f"{'weights, KV':<25} {'MB/step':>8} {'floor ms':>9} {'b1 ms':>7} {'b1/floor':>9} {'b8 ms':>7} {'b8/b1':>6} "
+          f"{'b8 ctx 450':>11} {'tok/s b1':>9} {'tok/s b8':>9}")
+    for fmt, (nbytes, floor, b1, b8, b8_long) in rows.items():
+        print(f"{fmt:<25} {nbytes / 1e6:8.1f} {floor * 1e3:9.1f} {b1 * 1e3:7.1f} {b1 / floor:9.2f} {b8 * 1e3:7.1f} "
+              f"{b8 / b1:6.2f} {b8_long * 1e3:11.1f} {1 / b1:9.1f} {8 / b8:9.1f}")
+    q, d = rows[best], next(r for name, r in rows.items() if name.startswith("dense"))
+    print(f"the quantized rows below: {best} (this CPU's best instruction set, the default KV cache)")
     print(f"quantized vs dense: batch 1 {d[2] / q[2]:.2f}x faster, batch 8 {d[3] / q[3]:.2f}x faster")
     print(f"targets: quantized b1/floor {q[2] / q[1]:.2f} (<= 1.3), b8/b1 {q[3] / q[2]:.2f} (<= 2.0)")
 

@@ -91,3 +91,36 @@ def test_store_kv_matches_reference_and_skips_padding(dtype: torch.dtype) -> Non
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     with pytest.raises(RuntimeError, match="past the cache"):
         cpu_kernel.store_kv(k, v, kc, vc, torch.tensor([0, 1, 2, 3, 16]))
+
+
+def test_an_fp16_cache_reads_as_its_exact_fp32_widening() -> None:
+    """Half the bytes a step reads, the same arithmetic: F16C widens each value exactly, so attention over an
+    fp16 cache equals attention over that cache converted to fp32, bit for bit."""
+    seq_lens = [1, 16, 17, 77, 300]
+    kc, vc = make_cache(len(seq_lens) * 19 + 4, 16, 3, 64, torch.float32)
+    kc16, vc16 = kc.half(), vc.half()
+    tables = shuffled_tables(seq_lens, 16, kc.shape[0])
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), 9, 64) * 3
+    got = cpu_kernel.paged_decode_attention(q, kc16, vc16, tables, lens, scale=0.125)
+    assert torch.equal(got, cpu_kernel.paged_decode_attention(q, kc16.float(), vc16.float(), tables, lens, scale=0.125))
+    exact = paged_decode_attention_ref(q, kc, vc, tables, lens, scale=0.125)
+    assert (got - exact).abs().max().item() < 1e-2  # what rounding K and V to fp16 costs
+    with pytest.raises(RuntimeError, match="must both be fp32 or both fp16"):
+        cpu_kernel.paged_decode_attention(q, kc16, vc, tables, lens, scale=0.125)
+
+
+def test_store_kv_rounds_fp32_rows_into_an_fp16_cache_as_torch_does() -> None:
+    kc, vc = make_cache(4, 4, 2, 36, torch.float16)  # 72 values a row: the 8-wide loop and its tail
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    qkv = torch.randn(5, (4 + 2 * 2) * 36) * 1000  # past fp16's precision, some rounding each way
+    k, v = qkv[:, 4 * 36 : 6 * 36].view(5, 2, 36), qkv[:, 6 * 36 :].view(5, 2, 36)
+    slots = torch.tensor([3, -1, 8, 15, 0])
+    cpu_kernel.store_kv(k, v, kc, vc, slots)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            kc_ref.view(-1, 2, 36)[slot] = k[t].half()
+            vc_ref.view(-1, 2, 36)[slot] = v[t].half()
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    with pytest.raises(RuntimeError, match="cannot go into a cache"):
+        cpu_kernel.store_kv(k.half(), v.half(), kc.float(), vc.float(), slots)

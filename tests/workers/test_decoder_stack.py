@@ -63,13 +63,13 @@ def decode_step(model: LlamaModel, kv: torch.Tensor, seed: int) -> torch.Tensor:
     return model.forward(ids, positions, kv, md, torch.arange(len(SEQ_LENS)))
 
 
-def assert_stack_matches_loop(model: LlamaModel) -> None:
+def assert_stack_matches_loop(model: LlamaModel, kv_dtype: torch.dtype = torch.float32) -> None:
     cfg = model.config
     stack = model.decoder_stack
     assert stack is not None, "quantized fp32 weights on CPU must take the compiled stack"
     max_blocks = max(SEQ_LENS) // BLOCK + 1
     kv = torch.randn(cfg.num_layers, 2, len(SEQ_LENS) * max_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim,
-                     generator=torch.Generator().manual_seed(1))
+                     generator=torch.Generator().manual_seed(1)).to(kv_dtype)
     kv_loop = kv.clone()
     got = decode_step(model, kv, seed=2)
     try:
@@ -82,8 +82,9 @@ def assert_stack_matches_loop(model: LlamaModel) -> None:
     assert torch.equal(kv, kv_loop), "the stack wrote other K/V than the loop"
 
 
-def test_default_model_stack_is_bit_identical(quantized_model) -> None:
-    assert_stack_matches_loop(quantized_model)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_default_model_stack_is_bit_identical(quantized_model, kv_dtype: torch.dtype) -> None:
+    assert_stack_matches_loop(quantized_model, kv_dtype)
 
 
 def test_biases_and_mixed_formats_are_bit_identical() -> None:

@@ -18,6 +18,11 @@ class EngineConfig:
     # `dtype` (the path that is token-exact against HF); "auto": "gguf" on CPU in float32 where the
     # kernel builds, else "dense". A model without quantized tensors (an HF directory) is always dense.
     weight_format: str = "auto"
+    # Element type of the KV cache: "float32", "float16" or "bfloat16"; "auto": float16 where decode runs the
+    # compiled CPU layer stack over GGUF blocks (a step reads half the KV bytes, and that path rounds
+    # activations to 8 bits already, so it is not token-exact with HF either way), else `dtype` (the dense
+    # path stays token-exact). A cache narrower than `dtype` runs only there (fp16 under fp32).
+    kv_cache_dtype: str = "auto"
     # "auto": CUDA when available, else CPU.
     device: str = "auto"
     # None: the model's maximum positions.

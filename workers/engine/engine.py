@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import kernels
 from kernels.host_math import cdiv
 from workers.engine import kv_sizing
 from workers.engine.block_pool import BlockPool
@@ -23,7 +24,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.kv_sizing import kv_cache_size
-from workers.engine.model_loading import load_model
+from workers.engine.model_loading import load_model, resolve_kv_cache_dtype
 from workers.engine.model_runner import ModelRunner
 from workers.engine.request import Request, RequestStatus
 from workers.engine.scheduler import KVReservation, SampledToken, Scheduler
@@ -115,7 +116,9 @@ class Engine:
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"{mcfg.max_position_embeddings} positions")
-        bytes_per_block = mcfg.kv_bytes_per_token(model.dtype.itemsize) * config.block_size
+        backend = kernels.resolve_backend(model.device, config.attention_backend)
+        kv_dtype = resolve_kv_cache_dtype(config, model, backend)
+        bytes_per_block = mcfg.kv_bytes_per_token(kv_dtype.itemsize) * config.block_size
         size = kv_cache_size(config, bytes_per_block, model.device)
         self.kv_cache_description = kv_sizing.describe(size, config.block_size, bytes_per_block)
         print(f"[tandem] {self.kv_cache_description}", file=sys.stderr, flush=True)
@@ -124,7 +127,7 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(self.block_pool)
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else mcfg.eos_token_id
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, eos)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.attention_backend, config.seed, eos)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, backend, config.seed, eos, kv_dtype)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.structured_outputs = StructuredOutputs(self.tokenizer.hf, model.config.vocab_size)
         self._ids = itertools.count()

@@ -41,6 +41,28 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
     return device, names[config.dtype]
 
 
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(config: EngineConfig, model: LlamaModel | TimingModel,
+                           attention_backend: str) -> torch.dtype:
+    """The KV cache's element type (see ``EngineConfig.kv_cache_dtype``)."""
+    compiled_stack = isinstance(model, LlamaModel) and model.decoder_stack is not None
+    if config.kv_cache_dtype == "auto":
+        return torch.float16 if compiled_stack and attention_backend == "cpu" else model.dtype
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(KV_CACHE_DTYPES)}, "
+                         f"got {config.kv_cache_dtype!r}")
+    want = KV_CACHE_DTYPES[config.kv_cache_dtype]
+    # The CPU attention kernel reads fp16 rows under fp32 queries; every other path computes in the cache's dtype.
+    narrower_ok = attention_backend == "cpu" and model.dtype == torch.float32 and want == torch.float16
+    if want != model.dtype and not narrower_ok and not isinstance(model, TimingModel):
+        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} under {str(model.dtype).removeprefix('torch.')} "
+                         "activations is not built: a cache of another dtype than the model's runs only as float16 "
+                         "under float32 on the compiled CPU attention (use auto)")
+    return want
+
+
 def resolve_weight_format(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
     """"gguf" or "dense" (see ``EngineConfig.weight_format``)."""
     fits = device.type == "cpu" and dtype == torch.float32

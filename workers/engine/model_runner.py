@@ -22,7 +22,8 @@ from workers.model.timing_model import TimingModel
 
 class ModelRunner:
     def __init__(self, model: LlamaModel | TimingModel, num_blocks: int, block_size: int,
-                 attention_backend: str | None = None, seed: int = 0, eos_token_id: int | None = None):
+                 attention_backend: str | None = None, seed: int = 0, eos_token_id: int | None = None,
+                 kv_dtype: torch.dtype | None = None):
         self.model = model
         self.eos_token_id = eos_token_id  # held back by min_tokens
         self.device = model.device
@@ -31,7 +32,7 @@ class ModelRunner:
         # the first request rather than during it.
         self.attention_backend = kernels.resolve_backend(self.device, attention_backend)
         # One tensor for all layers: [layers, K/V, blocks, block_size, kv_heads, head_dim].
-        self.kv_cache = model.new_kv_cache(num_blocks, block_size)
+        self.kv_cache = model.new_kv_cache(num_blocks, block_size, kv_dtype)
         self._rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
 

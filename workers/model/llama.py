@@ -100,11 +100,12 @@ class LlamaModel:
         self.decoder_stack: DecoderStack | None = DecoderStack.pack(
             self.layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
 
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """One tensor for every layer's K and V: [layers, 2, num_blocks, block_size, KVH, D]."""
+    def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor for every layer's K and V: [layers, 2, num_blocks, block_size, KVH, D]; dtype: the
+        model's unless given (``resolve_kv_cache_dtype`` says which others run)."""
         cfg = self.config
         return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                           device=self.device, dtype=self.dtype)
+                           device=self.device, dtype=dtype or self.dtype)
 
     @torch.inference_mode()
     def forward(

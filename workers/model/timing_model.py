@@ -38,8 +38,9 @@ class TimingModel:
         self._span = max(1, min(config.vocab_size, 40000) - _FIRST_ORDINARY_TOKEN)
         self._last_end: float | None = None
 
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        # [layers=1, K/V, blocks, block_size, kv_heads=1, head_dim=1]: the layout transports expect, 8 bytes a token
+    def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        # [layers=1, K/V, blocks, block_size, kv_heads=1, head_dim=1]: the layout transports expect, 8 bytes a
+        # token whatever the dtype (no real K or V is kept)
         return torch.zeros(1, 2, num_blocks, block_size, 1, 1)
 
     def step_seconds(self, attn: AttentionMetadata) -> float:
