@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kernels.quant_linear import QuantizedWeight  # noqa: E402
+from kernels.quant_linear import QuantizedWeight, instruction_sets  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.model.llama import LlamaModel  # noqa: E402
@@ -79,17 +79,6 @@ def decode_step_seconds(engine: Engine, batch: int, steps: int, rng: random.Rand
     while engine.has_unfinished:
         engine.step()
     return statistics.median(times)
-
-
-def instruction_sets() -> list[str]:
-    """The quantized kernels' instruction sets this CPU runs (``set_quant_isa`` refuses the others)."""
-    have = []
-    for isa in ("avx2", "avx_vnni", "avx512_vnni"):
-        try:
-            have.append(torch.ops.tandem_cpu.set_quant_isa(isa))
-        except RuntimeError:
-            pass
-    return have
 
 
 def main() -> None:

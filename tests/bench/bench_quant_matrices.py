@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels import cpu_kernel  # noqa: E402
-from kernels.quant_linear import BLOCK, QuantizedWeight, interleave, linear  # noqa: E402
+from kernels.quant_linear import BLOCK, QuantizedWeight, instruction_sets, interleave, linear  # noqa: E402
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
 QKV_ROWS = (9 + 3 + 3) * 64
@@ -68,12 +68,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     weights = {name: [random_blocks(fmt, n, k, gen) for _ in range(copies)]
                for name, (fmt, n, k, copies) in MATRICES.items()}
-    isas = []
-    for isa in ("avx2", "avx_vnni", "avx512_vnni"):
-        try:
-            isas.append(torch.ops.tandem_cpu.set_quant_isa(isa))
-        except RuntimeError:
-            pass
+    isas = instruction_sets()
     rows = [int(r) for r in args.rows.split(",")]
     print(f"threads {torch.get_num_threads()}; instruction sets {', '.join(isas)}; ms a step, median of "
           f"{args.repeats}")

@@ -77,18 +77,6 @@ def test_linear_matches_dequantized_matmul(fmt: str, m: int) -> None:
     assert ((got - exact).norm() / exact.norm()).item() < 0.02  # what 8-bit activations cost
 
 
-def instruction_sets() -> list[str]:
-    """The kernels' instruction sets this CPU runs (avx2 always; the VNNI ones where the CPU has them)."""
-    have = []
-    for isa in ("avx2", "avx_vnni", "avx512_vnni"):
-        try:
-            have.append(torch.ops.tandem_cpu.set_quant_isa(isa))
-        except RuntimeError:
-            pass
-    torch.ops.tandem_cpu.set_quant_isa("best")
-    return have
-
-
 @pytest.mark.parametrize("fmt", ["q4_1x8", "q8_0x8"])
 def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
     """VNNI's dpbusd sums the same integers as AVX2's maddubs chain, and the float work after is the same:
@@ -99,7 +87,7 @@ def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
     x[:, 5] *= 40
     outputs = {}
     try:
-        for isa in instruction_sets():
+        for isa in quant_linear.instruction_sets():
             torch.ops.tandem_cpu.set_quant_isa(isa)
             outputs[isa] = {m: quant_linear.linear(x[:m], w) for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 21)}
     finally:
@@ -114,7 +102,7 @@ def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
 def test_unknown_instruction_set_is_refused() -> None:
     with pytest.raises(RuntimeError, match="unknown instruction set sse4"):
         torch.ops.tandem_cpu.set_quant_isa("sse4")
-    assert torch.ops.tandem_cpu.quant_isa() in instruction_sets()
+    assert torch.ops.tandem_cpu.quant_isa() in quant_linear.instruction_sets()
 
 
 def test_bundled_gguf_blocks(quantized_model, dense_model) -> None:
