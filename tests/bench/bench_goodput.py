@@ -1,15 +1,18 @@
 """Goodput at a chat SLO: the default ``tandem serve`` against llama.cpp's ``llama-server`` on this machine.
 
-    .venv/bin/python tests/bench/bench_goodput.py [--rates 0.1,0.3,0.6,1.0,1.4] [--num-requests 24]
+    .venv/bin/python tests/bench/bench_goodput.py [--rates 0.1,0.3,0.6,1.0,1.4] [--num-requests 24] [--seconds 60]
         [--llama-server PATH] [--config YAML] [--out runs/goodput] [--report-only]
 
 Both servers run the bundled SmolLM2-135M GGUF, one after the other, driven by the same seeded
 ``tandem loadgen`` workload at each rate: Poisson arrivals, new prompts of 200-500 tokens for every
 request (each rate its own seed, so neither server's prompt cache hits), 64-256 output tokens, a
 quarter of the chats sent without max_tokens (they end at EOS or max_model_len). A request meets the
-SLO with TTFT <= 2 s and TPOT <= 100 ms. Capacity is the highest rate at which >= 90% meet it; the
-ratio of capacities is the figure of issue 20 (target >= 1.5). The same runs are also read at the issue's
-looser SLO (TTFT <= 5 s, TPOT <= 250 ms), where a peer that meets the chat SLO at no rate still has a capacity.
+SLO with TTFT <= 2 s and TPOT <= 100 ms. Capacity is the highest rate up to which every rate swept has
+>= 90% meeting it; the ratio of capacities is the figure of issue 20 (target >= 1.5). The same runs are
+also read at the issue's looser SLO (TTFT <= 5 s, TPOT <= 250 ms), where a peer that meets the chat SLO at
+no rate still has a capacity. Each rate sends at least rate x --seconds requests (a short burst at a high
+rate ends before the queue it builds shows), and a server's sweep stops after a rate where fewer than half
+meet even the looser SLO.
 
 llama-server is not a Python package: build it with the recipe in ../shared/PEERS.md and pass its
 path (or set LLAMA_SERVER). Without it the bench measures Tandem alone and says so.
@@ -41,6 +44,7 @@ SLO_TTFT_MS, SLO_TPOT_MS, TARGET = 2000.0, 100.0, 0.9
 # The issue's looser SLO, read off the same runs: where a peer meets the chat SLO at no rate (llama.cpp here:
 # a prompt of ~400 tokens alone takes it over 2 s), this one still gives a capacity ratio.
 LOOSE_TTFT_MS, LOOSE_TPOT_MS = 5000.0, 250.0
+STOP_BELOW = 0.5  # a server's sweep stops after a rate where fewer meet even the looser SLO
 
 
 def log(msg: str) -> None:
@@ -116,24 +120,40 @@ def sweep(name: str, proc: subprocess.Popen[bytes], url: str, rates: list[float]
         run_rate(url, 0.5, 999, 3, out / name / "warmup")  # the process meets its shapes once
         points = {}
         for i, rate in enumerate(rates):
-            points[rate] = run_rate(url, rate, 1000 + i, args.num_requests, out / name / f"rate_{rate:g}")
+            points[rate] = run_rate(url, rate, 1000 + i, requests_at(rate, args), out / name / f"rate_{rate:g}")
             p = points[rate]
-            log(f"{name} @ {rate:g} req/s: {p['attainment']:.0%} met; TTFT p50 {p['ttft_p50']:.0f} ms, "
-                f"TPOT p50 {p['tpot_p50']:.0f} ms")
+            log(f"{name} @ {rate:g} req/s: {p['attainment']:.0%} met, {p['loose_attainment']:.0%} at the looser "
+                f"SLO; TTFT p50 {p['ttft_p50']:.0f} ms, TPOT p50 {p['tpot_p50']:.0f} ms")
+            if p["loose_attainment"] < STOP_BELOW:
+                log(f"{name}: past its knee even at the looser SLO; the higher rates are not run")
+                break
         return points
     finally:
         stop(proc)
 
 
+def requests_at(rate: float, args: argparse.Namespace) -> int:
+    """Enough requests that arrivals span --seconds: a short burst at a high rate ends before the queue it
+    builds shows (24 requests at 1.4 req/s met the SLO 92%; 60 at the same rate, 72%)."""
+    return max(args.num_requests, round(rate * args.seconds))
+
+
 def capacity(points: dict[float, dict[str, float]], key: str = "attainment") -> float:
-    good = [r for r, p in points.items() if p[key] >= TARGET]
-    return max(good, default=0.0)
+    """The highest rate up to which every rate swept met the target (a noisy pass above a miss is not counted)."""
+    best = 0.0
+    for rate in sorted(points):
+        if points[rate][key] < TARGET:
+            break
+        best = rate
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="0.1,0.3,0.6,1.0,1.4")
-    parser.add_argument("--num-requests", type=int, default=24)
+    parser.add_argument("--num-requests", type=int, default=24, help="the fewest requests a rate")
+    parser.add_argument("--seconds", type=float, default=60.0,
+                        help="each rate sends at least rate x seconds requests (arrivals over about this long)")
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"))
     parser.add_argument("--config", default=None, help="tandem cluster YAML (default: the built-in default)")
     parser.add_argument("--out", default="runs/goodput")
@@ -147,7 +167,8 @@ def main() -> None:
     if args.report_only:
         for name in ("tandem", "llama.cpp"):
             if (out / name).is_dir():
-                results[name] = {r: read_point(out / name / f"rate_{r:g}") for r in rates}
+                results[name] = {r: read_point(out / name / f"rate_{r:g}") for r in rates
+                                 if (out / name / f"rate_{r:g}" / "report.json").is_file()}
     else:
         results["tandem"] = sweep("tandem", start_tandem(8100, args.config, out), "http://127.0.0.1:8100", rates,
                                   args, out)
@@ -156,12 +177,14 @@ def main() -> None:
                                          "http://127.0.0.1:8200", rates, args, out)
         else:
             log("no llama-server given (--llama-server or LLAMA_SERVER): Tandem alone")
-    print(f"SLO: TTFT <= {SLO_TTFT_MS:.0f} ms, TPOT <= {SLO_TPOT_MS:.0f} ms; {args.num_requests} requests a rate")
+    print(f"SLO: TTFT <= {SLO_TTFT_MS:.0f} ms, TPOT <= {SLO_TPOT_MS:.0f} ms; "
+          f"{', '.join(f'{requests_at(r, args)} requests at {r:g}' for r in rates)} req/s")
     print(f"{'rate':>6} | " + " | ".join(f"{n:^38}" for n in results))
     print(f"{'req/s':>6} | " + " | ".join(f"{'met':>5} {'TTFT p50/p90 ms':>16} {'TPOT p50/p90':>14}" for _ in results))
     for rate in rates:
         cells = [f"{p['attainment']:5.0%} {p['ttft_p50']:7.0f}/{p['ttft_p90']:<8.0f} "
-                 f"{p['tpot_p50']:6.0f}/{p['tpot_p90']:<7.0f}" for p in (r[rate] for r in results.values())]
+                 f"{p['tpot_p50']:6.0f}/{p['tpot_p90']:<7.0f}" if p else f"{'not run (past the knee)':^38}"
+                 for p in (r.get(rate) for r in results.values())]
         print(f"{rate:6g} | " + " | ".join(cells))
     caps = {n: capacity(p) for n, p in results.items()}
     print("capacity (>= 90% met): " + ", ".join(f"{n} {c:g} req/s" for n, c in caps.items()))
@@ -171,7 +194,7 @@ def main() -> None:
         print("llama.cpp meets the SLO at none of these rates: no capacity ratio (add lower rates)")
     loose = {n: capacity(p, "loose_attainment") for n, p in results.items()}
     print(f"at the looser SLO (TTFT <= {LOOSE_TTFT_MS:.0f} ms, TPOT <= {LOOSE_TPOT_MS:.0f} ms), the same runs: "
-          + ", ".join(f"{n} {p[r]['loose_attainment']:.0%} at {r:g}" for n, p in results.items() for r in rates))
+          + ", ".join(f"{n} {p[r]['loose_attainment']:.0%} at {r:g}" for n, p in results.items() for r in p))
     print("capacity at the looser SLO: " + ", ".join(f"{n} {c:g} req/s" for n, c in loose.items()))
     if "llama.cpp" in loose and loose["llama.cpp"]:
         print(f"tandem / llama.cpp capacity at the looser SLO: {loose['tandem'] / loose['llama.cpp']:.2f}")
