@@ -36,8 +36,9 @@ struct Shape {
   int64_t num_heads, kv_heads, per_kv, block_size, max_blocks, row_stride;
 };
 
-// One cache row's 8 values from c * 8 on, as fp32: the cache holds fp32, or fp16 (half the bytes a step
-// reads; F16C converts 8 at a time, exactly).
+// 8 values of a cache row as fp32: the cache holds fp32, or fp16 (half the bytes a step reads; F16C widens 8
+// at a time, exactly).
+static_assert(Vec::size() == 8, "built for AVX2's 8-float vectors (cpu_kernel.py's flags)");
 inline Vec load8(const float* p) { return Vec::loadu(p); }
 inline Vec load8(const at::Half* p) {
   return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
