@@ -14,6 +14,8 @@ from workers.model.timing_model import TimingModel
 from workers.model.tokenizer import Tokenizer
 from workers.protocol.errors import ModelLoadError
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # dtype, kv_cache_dtype
+
 
 def load_model(config: EngineConfig) -> tuple[LlamaModel | TimingModel, Tokenizer]:
     if config.timing_profile is not None:  # no weights: the shape and the tokenizer
@@ -33,15 +35,11 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel | TimingModel, Tokenize
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if config.device == "auto" else config.device))
-    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if config.dtype == "auto":
         return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    if config.dtype not in names:
-        raise ValueError(f"dtype must be auto or one of {sorted(names)}, got {config.dtype!r}")
-    return device, names[config.dtype]
-
-
-KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if config.dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {config.dtype!r}")
+    return device, DTYPES[config.dtype]
 
 
 def resolve_kv_cache_dtype(config: EngineConfig, model: LlamaModel | TimingModel,
@@ -50,10 +48,9 @@ def resolve_kv_cache_dtype(config: EngineConfig, model: LlamaModel | TimingModel
     compiled_stack = isinstance(model, LlamaModel) and model.decoder_stack is not None
     if config.kv_cache_dtype == "auto":
         return torch.float16 if compiled_stack and attention_backend == "cpu" else model.dtype
-    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(KV_CACHE_DTYPES)}, "
-                         f"got {config.kv_cache_dtype!r}")
-    want = KV_CACHE_DTYPES[config.kv_cache_dtype]
+    if config.kv_cache_dtype not in DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(DTYPES)}, got {config.kv_cache_dtype!r}")
+    want = DTYPES[config.kv_cache_dtype]
     # The CPU attention kernel reads fp16 rows under fp32 queries; every other path computes in the cache's dtype.
     narrower_ok = attention_backend == "cpu" and model.dtype == torch.float32 and want == torch.float16
     if want != model.dtype and not narrower_ok and not isinstance(model, TimingModel):
