@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in (
     "paged_decode_cpu.cpp", "quant_linear_cpu.cpp", "quant_linear_x8_cpu.cpp", "fused_ops_cpu.cpp",
-    "decoder_cpu.cpp")]
+    "decoder_cpu.cpp", "cpu_isa.cpp")]
 HEADERS = sorted((Path(__file__).resolve().parent / "csrc").glob("*.h"))
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_HEADS_PER_KV = 16
@@ -67,6 +67,31 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Shapes as ``torch_paged.store_kv_torch``; rows of the caches' dtype, or fp32 rows into fp16 caches."""
     torch.ops.tandem_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def instruction_sets() -> list[str]:
+    """The instruction sets the compiled kernels run on this CPU, oldest first ("avx2", then "avx_vnni" and
+    "avx512_vnni" where it has them); ``torch.ops.tandem_cpu.set_isa(name)`` picks one for the quantized
+    matrices and decode attention (A/B benches, tests), "best" the last."""
+    now = torch.ops.tandem_cpu.isa()
+    have = []
+    for isa in ("avx2", "avx_vnni", "avx512_vnni"):
+        try:
+            have.append(torch.ops.tandem_cpu.set_isa(isa))
+        except RuntimeError:  # the CPU lacks it
+            pass
+    torch.ops.tandem_cpu.set_isa(now)
+    return have
+
+
+@contextlib.contextmanager
+def instruction_set(name: str) -> Iterator[str]:
+    """The kernels run on ``name`` inside the block (A/B benches, tests), on what they ran before after it."""
+    before = torch.ops.tandem_cpu.isa()
+    try:
+        yield torch.ops.tandem_cpu.set_isa(name)
+    finally:
+        torch.ops.tandem_cpu.set_isa(before)
 
 
 @functools.cache  # one build-or-load per process; None when loaded, else why not

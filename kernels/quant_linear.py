@@ -69,21 +69,6 @@ def supported() -> bool:
     return cpu_kernel.available()
 
 
-def instruction_sets() -> list[str]:
-    """The instruction sets the compiled kernels run on this CPU, oldest first ("avx2", then "avx_vnni" and
-    "avx512_vnni" where it has them); ``torch.ops.tandem_cpu.set_quant_isa(name)`` picks one (A/B benches,
-    tests: every one gives the same bits), "best" the last."""
-    now = torch.ops.tandem_cpu.quant_isa()
-    have = []
-    for isa in ("avx2", "avx_vnni", "avx512_vnni"):
-        try:
-            have.append(torch.ops.tandem_cpu.set_quant_isa(isa))
-        except RuntimeError:  # the CPU lacks it
-            pass
-    torch.ops.tandem_cpu.set_quant_isa(now)
-    return have
-
-
 def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack the output rows of weights of one format and width (fused Q/K/V, gate/up)."""
     first = weights[0]

@@ -4,8 +4,9 @@
 // so every K and V row of the sequence is read from memory once (the torch path copies K out of the
 // cache before scoring it, and its V pass reads each row once per query head). Scores are kept in
 // fp32 and softmaxed with the row max subtracted; items run on ATen's intra-op thread pool (the
-// calling thread's torch thread count). Written with ATen's own vector types (at::vec), as
-// PyTorch's CPU attention kernels are.
+// calling thread's torch thread count). The loops over tokens (paged_decode_loops.h) are built for
+// 256-bit and 512-bit vectors and follow the kernels' instruction set (cpu_isa.cpp); the softmax is
+// written with ATen's own vector types (at::vec), as PyTorch's CPU attention kernels are.
 //
 //   q [B, H, D] fp32, k_cache/v_cache [num_blocks, block_size, KVH, D] fp32 or fp16, block_tables [B, M] int32,
 //   seq_lens [B] int32, scale  ->  out [B, H, D] fp32
@@ -36,30 +37,12 @@ struct Shape {
   int64_t num_heads, kv_heads, per_kv, block_size, max_blocks, row_stride;
 };
 
-// 8 values of a cache row as fp32: the cache holds fp32, or fp16 (half the bytes a step reads; F16C widens 8
-// at a time, exactly).
-static_assert(Vec::size() == 8, "built for AVX2's 8-float vectors (cpu_kernel.py's flags)");
-inline Vec load8(const float* p) { return Vec::loadu(p); }
-inline Vec load8(const at::Half* p) {
-  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// Scores of one (sequence, KV head): q_j . k_t * scale for every query head j of the group, token t.
-template <int64_t D, typename T>
-void score(const float* q_scaled, const T* k_cache, const int32_t* table, int64_t len, const Shape& s,
-           int64_t g, float* scores, int64_t stride) {
-  constexpr int64_t kChunks = D / Vec::size();
-  for (int64_t t = 0; t < len; ++t) {
-    const T* k = k_cache + (table[t / s.block_size] * s.block_size + t % s.block_size) * s.row_stride + g * D;
-    Vec kv[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) kv[c] = load8(k + c * Vec::size());
-    for (int64_t j = 0; j < s.per_kv; ++j) {
-      const float* qj = q_scaled + j * D;
-      Vec acc = Vec::loadu(qj) * kv[0];
-      for (int64_t c = 1; c < kChunks; ++c) acc = at::vec::fmadd(Vec::loadu(qj + c * Vec::size()), kv[c], acc);
-      scores[j * stride + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
-    }
-  }
+// The 8 horizontal sums of a[0..7], as one vector (lane t = sum of a[t]).
+inline __m256 sum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
 // In place: scores -> exp(scores - max); returns 1 / sum.
@@ -83,28 +66,44 @@ float softmax_numerators(float* x, int64_t len) {
   return 1.f / total;
 }
 
-// out_j = sum_t p_j[t] v_t, one block of tokens at a time so that each head's accumulator stays in registers.
-template <int64_t D, typename T>
-void weigh_values(const float* probs, int64_t stride, const T* v_cache, const int32_t* table, int64_t len,
-                  const Shape& s, int64_t g, const float* inv_sum, float* out) {
-  constexpr int64_t kChunks = D / Vec::size();
-  for (int64_t j = 0; j < s.per_kv; ++j) {
-    Vec acc[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) acc[c] = Vec(0.f);
-    const float* pj = probs + j * stride;
-    for (int64_t start = 0; start < len; start += s.block_size) {
-      const T* vb = v_cache + table[start / s.block_size] * s.block_size * s.row_stride + g * D;
-      const int64_t n = std::min(s.block_size, len - start);
-      for (int64_t i = 0; i < n; ++i) {
-        const Vec p(pj[start + i]);
-        const T* v = vb + i * s.row_stride;
-        for (int64_t c = 0; c < kChunks; ++c) acc[c] = at::vec::fmadd(p, load8(v + c * Vec::size()), acc[c]);
-      }
-    }
-    const Vec scale(inv_sum[j]);
-    for (int64_t c = 0; c < kChunks; ++c) (acc[c] * scale).store(out + j * D + c * Vec::size());
-  }
+// The loops over a sequence's cached tokens, once per vector width. A cache row's values load as fp32: the
+// cache holds fp32, or fp16 (half the bytes a step reads; F16C widens them exactly).
+namespace avx2 {
+using R = __m256;
+constexpr int64_t kW = 8;
+constexpr int kHeadsAtOnce = 3;  // 3 * (4 + 1) + 1 = 16 registers
+inline R load(const float* p) { return _mm256_loadu_ps(p); }
+inline R load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline R zero() { return _mm256_setzero_ps(); }
+inline R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+inline R add(R a, R b) { return _mm256_add_ps(a, b); }
+inline R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+inline R broadcast(float x) { return _mm256_set1_ps(x); }
+inline void store(float* p, R a) { _mm256_storeu_ps(p, a); }
+inline __m256 fold(R a) { return a; }
+#include "paged_decode_loops.h"
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {
+using R = __m512;
+constexpr int64_t kW = 16;
+constexpr int kHeadsAtOnce = 4;  // 4 * (4 + 1) + 1 = 21 of 32 registers
+inline R load(const float* p) { return _mm512_loadu_ps(p); }
+inline R load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline R zero() { return _mm512_setzero_ps(); }
+inline R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+inline R add(R a, R b) { return _mm512_add_ps(a, b); }
+inline R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+inline R broadcast(float x) { return _mm512_set1_ps(x); }
+inline void store(float* p, R a) { _mm512_storeu_ps(p, a); }
+inline __m256 fold(R a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
+#include "paged_decode_loops.h"
+}  // namespace avx512
+#pragma GCC pop_options
 
 template <int64_t D, typename T>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -118,6 +117,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
+  // 512-bit vectors (half the instructions) where the kernels' instruction set has them; D = 16 fills one.
+  const bool wide = tandem_cpu::isa() == tandem_cpu::Isa::kAvx512Vnni;
   at::parallel_for(0, batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, q_scaled(s.per_kv * D);
     for (int64_t item = begin; item < end; ++item) {
@@ -129,10 +130,13 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t stride = (len + Vec::size() - 1) / Vec::size() * Vec::size();
       scores.resize(s.per_kv * stride);
       const int32_t* table = tables + b * s.max_blocks;
-      score<D, T>(q_scaled.data(), kp, table, len, s, g, scores.data(), stride);
+      float* out_g = op + (b * s.num_heads + g * s.per_kv) * D;
       float inv_sum[kMaxHeadsPerKV];
+      if (wide) avx512::score<D, T>(q_scaled.data(), kp, table, len, s, g, scores.data(), stride);
+      else avx2::score<D, T>(q_scaled.data(), kp, table, len, s, g, scores.data(), stride);
       for (int64_t j = 0; j < s.per_kv; ++j) inv_sum[j] = softmax_numerators(scores.data() + j * stride, len);
-      weigh_values<D, T>(scores.data(), stride, vp, table, len, s, g, inv_sum, op + (b * s.num_heads + g * s.per_kv) * D);
+      if (wide) avx512::weigh_values<D, T>(scores.data(), stride, vp, table, len, s, g, inv_sum, out_g);
+      else avx2::weigh_values<D, T>(scores.data(), stride, vp, table, len, s, g, inv_sum, out_g);
     }
   });
 }

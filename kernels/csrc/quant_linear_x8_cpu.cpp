@@ -22,8 +22,7 @@
 //   q4_1_to_x8 / q8_0_to_x8: w [N, K / 32 * 20 or 34] -> [N / 8, K / 32 * 160 or 272] uint8
 //   q4_1x8_linear / q8_0x8_linear: x [M, K] fp32 -> y [M, N] fp32
 //   q4_1x8_dequantize / q8_0x8_dequantize: -> [N, K] fp32, bit-exact with the gguf package
-//   quant_isa() / set_quant_isa(name): the instruction set the linear kernels use ("avx2", "avx_vnni",
-//     "avx512_vnni"; "best" picks the CPU's best); every one gives bit-identical outputs
+// The instruction set is cpu_isa.cpp's (torch.ops.tandem_cpu.set_isa): every one gives bit-identical outputs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,7 +32,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <string>
 #include <type_traits>
 
 #include "quant_blocks.h"
@@ -120,44 +118,6 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_
 }  // namespace avx512_vnni
 #pragma GCC pop_options
 
-enum class Isa { kAvx2, kAvxVnni, kAvx512Vnni };
-
-Isa best_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
-    return Isa::kAvx512Vnni;
-  if (__builtin_cpu_supports("avxvnni")) return Isa::kAvxVnni;
-  return Isa::kAvx2;
-}
-
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512Vnni: return "avx512_vnni";
-    case Isa::kAvxVnni: return "avx_vnni";
-    default: return "avx2";
-  }
-}
-
-Isa g_isa = best_isa();  // the kernels' instruction set; set_quant_isa narrows it (A/B benches, tests)
-
-// Sets the instruction set by name ("best" for this CPU's best); returns the one now in use. Refuses one
-// the CPU lacks.
-std::string set_quant_isa(const std::string& name) {
-  const Isa best = best_isa();
-  Isa want = best;
-  if (name == "avx2") want = Isa::kAvx2;
-  else if (name == "avx_vnni") want = Isa::kAvxVnni;
-  else if (name == "avx512_vnni") want = Isa::kAvx512Vnni;
-  else TORCH_CHECK(name == "best", "unknown instruction set ", name, "; known: best, avx2, avx_vnni, avx512_vnni");
-  const bool has = want == Isa::kAvx2 || (want == Isa::kAvxVnni && __builtin_cpu_supports("avxvnni")) ||
-                   (want == Isa::kAvx512Vnni && best == Isa::kAvx512Vnni);
-  TORCH_CHECK(has, "this CPU lacks ", name, " (its best is ", isa_name(best), ")");
-  g_isa = want;
-  return isa_name(g_isa);
-}
-
-std::string quant_isa() { return isa_name(g_isa); }
-
 template <typename F>
 at::Tensor to_x8(const at::Tensor& w, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N, bytes] contiguous uint8");
@@ -189,8 +149,9 @@ at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
   float* yp = y.data_ptr<float>();
   constexpr bool kQ4_1 = F::kBytes == Q4_1x8::kBytes;
   auto* groups_fn = &avx2::x8_groups<kQ4_1>;
-  if (g_isa == Isa::kAvx512Vnni) groups_fn = &avx512_vnni::x8_pair_groups<kQ4_1>;
-  if (g_isa == Isa::kAvxVnni) groups_fn = &avx_vnni::x8_groups<kQ4_1>;
+  const tandem_cpu::Isa isa = tandem_cpu::isa();
+  if (isa == tandem_cpu::Isa::kAvx512Vnni) groups_fn = &avx512_vnni::x8_pair_groups<kQ4_1>;
+  if (isa == tandem_cpu::Isa::kAvxVnni) groups_fn = &avx_vnni::x8_groups<kQ4_1>;
   // Each thread walks its own groups of weight rows; every group meets all of x (M small: x stays in L1/L2).
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) { groups_fn(qx, M, nb, wp, begin, end, yp, N); });
   return y;
@@ -229,9 +190,6 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("q8_0_to_x8(Tensor w, int k) -> Tensor");
   m.def("q8_0x8_linear(Tensor x, Tensor w) -> Tensor");
   m.def("q8_0x8_dequantize(Tensor w, int k) -> Tensor");
-  // No tensor arguments, so no dispatch key: these two are registered with their definitions (CatchAll).
-  m.def("quant_isa() -> str", &quant_isa);
-  m.def("set_quant_isa(str name) -> str", &set_quant_isa);
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

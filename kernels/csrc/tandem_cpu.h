@@ -6,6 +6,10 @@
 
 namespace tandem_cpu {
 
+// cpu_isa.cpp: the instruction set the kernels use now (the CPU's best unless set_isa narrowed it)
+enum class Isa { kAvx2, kAvxVnni, kAvx512Vnni };
+Isa isa();
+
 // paged_decode_cpu.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);

@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kernels.quant_linear import QuantizedWeight, instruction_sets  # noqa: E402
+from kernels.cpu_kernel import instruction_sets  # noqa: E402
+from kernels.quant_linear import QuantizedWeight  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.model.llama import LlamaModel  # noqa: E402
@@ -105,10 +106,10 @@ def main() -> None:
         # here than the same rows measured again later (whatever the row), so one round favours the last rows.
         for isa in isas * 2:
             if isa is not None:
-                torch.ops.tandem_cpu.set_quant_isa(isa)
+                torch.ops.tandem_cpu.set_isa(isa)
             else:
-                torch.ops.tandem_cpu.set_quant_isa("best")
-            isa_name = (isa or torch.ops.tandem_cpu.quant_isa()) if fmt == "gguf" else "-"
+                torch.ops.tandem_cpu.set_isa("best")
+            isa_name = (isa or torch.ops.tandem_cpu.isa()) if fmt == "gguf" else "-"
             name = f"{fmt} {isa_name} KV {kv_name}"
             b1 = decode_step_seconds(engine, 1, args.steps, rng)
             b8 = decode_step_seconds(engine, 8, args.steps, rng)
@@ -117,7 +118,7 @@ def main() -> None:
             if isa is not None and isa == isas[-1]:
                 best = name
             log(f"{name}: b1 {b1 * 1e3:.1f} ms, b8 {b8 * 1e3:.1f} ms, b8 ctx 450 {b8_long * 1e3:.1f} ms")
-        torch.ops.tandem_cpu.set_quant_isa("best")
+        torch.ops.tandem_cpu.set_isa("best")
         del engine
     print(f"{'weights, KV':<25} {'MB/step':>8} {'floor ms':>9} {'b1 ms':>7} {'b1/floor':>9} {'b8 ms':>7} {'b8/b1':>6} "
           f"{'b8 ctx 450':>11} {'tok/s b1':>9} {'tok/s b8':>9}")

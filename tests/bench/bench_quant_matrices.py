@@ -5,7 +5,7 @@
 A decode step multiplies 30 layers' qkv, o_proj, gate_up (Q4_1 by 8 rows) and down, and the Q8_0 head,
 each against M rows of x (the batch). Each matrix shape is timed as 30 distinct copies (the head: once),
 so the weights stream from memory as they do in a step, not from cache. Printed side by side for every
-instruction set (``torch.ops.tandem_cpu.set_quant_isa``): the median milliseconds a step spends in each
+instruction set (``torch.ops.tandem_cpu.set_isa``): the median milliseconds a step spends in each
 matrix, the total, its ratio to M = 1, and the speedup over AVX2. Random blocks: speed does not depend
 on the values.
 """
@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels import cpu_kernel  # noqa: E402
-from kernels.quant_linear import BLOCK, QuantizedWeight, instruction_sets, interleave, linear  # noqa: E402
+from kernels.cpu_kernel import instruction_sets  # noqa: E402
+from kernels.quant_linear import BLOCK, QuantizedWeight, interleave, linear  # noqa: E402
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
 QKV_ROWS = (9 + 3 + 3) * 64
@@ -75,7 +76,7 @@ def main() -> None:
     totals: dict[tuple[str, int], float] = {}
     print(f"{'isa':<12} {'M':>3} " + " ".join(f"{n:>8}" for n in MATRICES) + f" {'total':>8} {'/M=1':>6}")
     for isa in isas:
-        torch.ops.tandem_cpu.set_quant_isa(isa)
+        torch.ops.tandem_cpu.set_isa(isa)
         for m in rows:
             x = torch.randn(m, max(k for _, _, k, _ in MATRICES.values()), generator=gen)
             ms = {name: 1e3 * time_matrix(ws, x[:, : ws[0].in_features].contiguous(), args.repeats)
@@ -84,7 +85,7 @@ def main() -> None:
             per_one = totals[isa, m] / totals[isa, rows[0]]
             print(f"{isa:<12} {m:>3} " + " ".join(f"{v:8.2f}" for v in ms.values())
                   + f" {totals[isa, m]:8.2f} {per_one:6.2f}")
-    torch.ops.tandem_cpu.set_quant_isa("best")
+    torch.ops.tandem_cpu.set_isa("best")
     for isa in isas[1:]:
         print(f"{isa} speedup over avx2: "
               + ", ".join(f"M={m} {totals['avx2', m] / totals[isa, m]:.2f}x" for m in rows))

@@ -34,9 +34,11 @@ def test_decode_matches_reference(gqa: int, head_dim: int, block_size: int) -> N
     tables = shuffled_tables(seq_lens, block_size, num_blocks)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q = torch.randn(len(seq_lens), num_heads, head_dim) * 3  # peaked softmaxes too
-    got = cpu_kernel.paged_decode_attention(q, kc, vc, tables, lens, scale=head_dim**-0.5)
     expected = paged_decode_attention_ref(q, kc, vc, tables, lens, scale=head_dim**-0.5)
-    assert (got - expected).abs().max().item() < 1e-4
+    for isa in cpu_kernel.instruction_sets():  # 256-bit loops, and 512-bit ones where the CPU has them
+        with cpu_kernel.instruction_set(isa):
+            got = cpu_kernel.paged_decode_attention(q, kc, vc, tables, lens, scale=head_dim**-0.5)
+        assert (got - expected).abs().max().item() < 1e-4, isa
 
 
 def test_default_cpu_backend_and_fallbacks() -> None:
@@ -102,10 +104,13 @@ def test_an_fp16_cache_reads_as_its_exact_fp32_widening() -> None:
     tables = shuffled_tables(seq_lens, 16, kc.shape[0])
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q = torch.randn(len(seq_lens), 9, 64) * 3
-    got = cpu_kernel.paged_decode_attention(q, kc16, vc16, tables, lens, scale=0.125)
-    assert torch.equal(got, cpu_kernel.paged_decode_attention(q, kc16.float(), vc16.float(), tables, lens, scale=0.125))
     exact = paged_decode_attention_ref(q, kc, vc, tables, lens, scale=0.125)
-    assert (got - exact).abs().max().item() < 1e-2  # what rounding K and V to fp16 costs
+    for isa in cpu_kernel.instruction_sets():
+        with cpu_kernel.instruction_set(isa):
+            got = cpu_kernel.paged_decode_attention(q, kc16, vc16, tables, lens, scale=0.125)
+            widened = cpu_kernel.paged_decode_attention(q, kc16.float(), vc16.float(), tables, lens, scale=0.125)
+        assert torch.equal(got, widened), isa
+        assert (got - exact).abs().max().item() < 1e-2, isa  # what rounding K and V to fp16 costs
     with pytest.raises(RuntimeError, match="must both be fp32 or both fp16"):
         cpu_kernel.paged_decode_attention(q, kc16, vc, tables, lens, scale=0.125)
 

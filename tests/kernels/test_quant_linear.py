@@ -86,12 +86,9 @@ def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
     x = torch.randn(21, 192, generator=torch.Generator().manual_seed(3))
     x[:, 5] *= 40
     outputs = {}
-    try:
-        for isa in quant_linear.instruction_sets():
-            torch.ops.tandem_cpu.set_quant_isa(isa)
+    for isa in cpu_kernel.instruction_sets():
+        with cpu_kernel.instruction_set(isa):
             outputs[isa] = {m: quant_linear.linear(x[:m], w) for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 21)}
-    finally:
-        torch.ops.tandem_cpu.set_quant_isa("best")
     assert "avx2" in outputs
     for isa, by_rows in outputs.items():
         for m, y in by_rows.items():
@@ -101,8 +98,8 @@ def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
 
 def test_unknown_instruction_set_is_refused() -> None:
     with pytest.raises(RuntimeError, match="unknown instruction set sse4"):
-        torch.ops.tandem_cpu.set_quant_isa("sse4")
-    assert torch.ops.tandem_cpu.quant_isa() in quant_linear.instruction_sets()
+        torch.ops.tandem_cpu.set_isa("sse4")
+    assert torch.ops.tandem_cpu.isa() in cpu_kernel.instruction_sets()
 
 
 def test_bundled_gguf_blocks(quantized_model, dense_model) -> None:
