@@ -66,6 +66,17 @@ float softmax_numerators(float* x, int64_t len) {
   return 1.f / total;
 }
 
+// A cache block's rows of one head (from column `col`) into L1, while the block before it is worked on: the
+// blocks of a sequence lie anywhere in the cache, so the hardware prefetcher cannot run ahead across them.
+template <typename T>
+inline void prefetch_block(const T* cache, int32_t block, const Shape& s, int64_t col) {
+  const char* row = reinterpret_cast<const char*>(cache + block * s.block_size * s.row_stride + col);
+  const int64_t row_bytes = s.row_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t head_bytes = (s.row_stride / s.kv_heads) * static_cast<int64_t>(sizeof(T));
+  for (int64_t r = 0; r < s.block_size; ++r, row += row_bytes)
+    for (int64_t b = 0; b < head_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+}
+
 // The loops over a sequence's cached tokens, once per vector width. A cache row's values load as fp32: the
 // cache holds fp32, or fp16 (half the bytes a step reads; F16C widens them exactly).
 namespace avx2 {

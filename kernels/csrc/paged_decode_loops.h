@@ -15,6 +15,7 @@ void score(const float* q_scaled, const T* k_cache, const int32_t* table, int64_
     const int64_t n = std::min<int64_t>(8, len - t0);
     int64_t block = t0 / s.block_size, offset = t0 % s.block_size;
     for (int64_t i = 0; i < n; ++i) {
+      if (offset == 0 && (block + 1) * s.block_size < len) prefetch_block(k_cache, table[block + 1], s, g * D);
       const T* k = k_cache + (table[block] * s.block_size + offset) * s.row_stride + g * D;
       if (++offset == s.block_size) offset = 0, ++block;
       R kv[kChunks];
@@ -52,6 +53,7 @@ void weigh_heads(const float* probs, int64_t stride, const T* v_cache, const int
     _Pragma("GCC unroll 4") for (int j = 0; j < kH; ++j)
       _Pragma("GCC unroll 4") for (int64_t c = 0; c < kSlice; ++c) acc[j][c] = zero();
     for (int64_t start = 0; start < len; start += s.block_size) {
+      if (c0 == 0 && start + s.block_size < len) prefetch_block(v_cache, table[start / s.block_size + 1], s, g * D + c0 * kW);
       const T* vb = v_cache + table[start / s.block_size] * s.block_size * s.row_stride + g * D + c0 * kW;
       const float* pb = probs + j0 * stride + start;
       const int64_t n = std::min(s.block_size, len - start);
