@@ -22,15 +22,27 @@ inline __m512 load_pair_halves(const uint8_t* g0, int64_t group_bytes) {  // 8 f
 // y[r, the pair's 16 rows] for R rows of quantized x starting at m0. Q4_1: the weights' 4-bit values are the
 // unsigned side of dpbusd, x the signed. Q8_0: both are signed, so x + 128 (xu: x.q with its sign bits
 // flipped) is the unsigned side and the block's sum of the weights times 128 is taken back off.
+//
+// `next` (or null): the pair to come, fetched block by block alongside this one. A pair is read as two
+// streams (its groups, each a few KB), too short for the hardware prefetcher to catch before they end.
 template <int R, bool kQ4_1>
 inline void pair_dot_rows(const tandem_quant::QuantizedX& x, const uint8_t* xu, int64_t m0, int64_t nb,
-                          const uint8_t* pair, int64_t group_bytes, float* y, int64_t ldy) {
+                          const uint8_t* pair, int64_t group_bytes, float* y, int64_t ldy,
+                          const uint8_t* next) {
   constexpr int64_t kBytes = kQ4_1 ? 160 : 272;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = pair + b * kBytes;
+    if (next != nullptr) {
+      for (int64_t o = 0; o < kBytes; o += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + b * kBytes + o), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + group_bytes + b * kBytes + o), _MM_HINT_T0);
+      }
+      _mm_prefetch(reinterpret_cast<const char*>(next + b * kBytes + kBytes - 1), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + group_bytes + b * kBytes + kBytes - 1), _MM_HINT_T0);
+    }
     const __m512 d = load_pair_halves(blk, group_bytes);
     __m512 m = _mm512_setzero_ps();
     __m512i q[8];
@@ -89,18 +101,20 @@ inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t
   int64_t g = g0;
   for (; g + 2 <= g1; g += 2) {
     const uint8_t* pair = w + g * group_bytes;
+    // The first tile of rows fetches the next pair (the later tiles find this one in cache).
+    const uint8_t* next = g + 4 <= g1 ? pair + 2 * group_bytes : nullptr;
     float* yg = y + g * 8;
     int64_t m = 0;
-    for (; m + kRowTile <= M; m += kRowTile)
-      pair_dot_rows<kRowTile, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N);
+    for (; m + kRowTile <= M; m += kRowTile, next = nullptr)
+      pair_dot_rows<kRowTile, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N, next);
     switch (M - m) {
-      case 7: pair_dot_rows<7, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N); break;
-      case 6: pair_dot_rows<6, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N); break;
-      case 5: pair_dot_rows<5, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N); break;
-      case 4: pair_dot_rows<4, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N); break;
-      case 3: pair_dot_rows<3, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N); break;
-      case 2: pair_dot_rows<2, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N); break;
-      case 1: pair_dot_rows<1, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N); break;
+      case 7: pair_dot_rows<7, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N, next); break;
+      case 6: pair_dot_rows<6, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N, next); break;
+      case 5: pair_dot_rows<5, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N, next); break;
+      case 4: pair_dot_rows<4, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N, next); break;
+      case 3: pair_dot_rows<3, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N, next); break;
+      case 2: pair_dot_rows<2, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N, next); break;
+      case 1: pair_dot_rows<1, kQ4_1>(x, xu.data(), m, nb, pair, group_bytes, yg + m * N, N, next); break;
       default: break;
     }
   }
