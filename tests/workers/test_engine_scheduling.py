@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.workers.test_engine_vs_hf import full_prefill_logits
 from workers.protocol.sampling_params import SamplingParams
 
@@ -12,13 +14,24 @@ def prompts():
     return [[1] + list(range(200 + 37 * i, 200 + 37 * i + 20 + 9 * i)) for i in range(6)]
 
 
-def test_preemption_recomputes_to_identical_outputs(make_engine):
+# How far apart two tokens' prefill logits may be for a recompute to pick the other one (a near-tie). The fp32
+# path's decode and prefill differ by summation order alone. On the quantized path x is rounded to 8 bits a
+# block, and a hair's difference there can round one value a whole step the other way: decode against
+# prefill log-probabilities of the same tokens differ by a median 0.01, a p90 0.05-0.07, a max 0.26-0.29
+# over these prompts (measured for the kernels before and after the 512-bit attention loops).
+NEAR_TIE = {"dense": 0.01, "quantized": 0.3}
+
+
+@pytest.mark.parametrize("path", ["quantized", "dense"])
+def test_preemption_recomputes_to_identical_outputs(make_engine, path: str):
     """A preempted request's recompute prefills its tokens with other kernels (prefill attention, other
     tiles) than the decode steps that made them: the same numbers summed in another order. Its text must
-    match the undisturbed run's up to a near-tie of the top two logits, and only at one."""
-    roomy_engine = make_engine(num_kv_blocks=512)
+    match the undisturbed run's up to a near-tie: at most one request forks, where both tokens' prefill
+    logits are within NEAR_TIE of the best."""
+    dense = path == "dense"
+    roomy_engine = make_engine(dense=dense, num_kv_blocks=512)
     roomy = roomy_engine.generate(prompts(), GREEDY)
-    tight = make_engine(num_kv_blocks=24)  # room for ~4 of the 6 requests at full length
+    tight = make_engine(dense=dense, num_kv_blocks=24)  # room for ~4 of the 6 requests at full length
     results = tight.generate(prompts(), GREEDY)
     assert sum(tight.scheduler.preemptions_by_cause.values()) > 0
     forks = 0
@@ -30,9 +43,9 @@ def test_preemption_recomputes_to_identical_outputs(make_engine):
             continue
         forks += 1
         logits = full_prefill_logits(roomy_engine.model, prompt + want.token_ids[:fork])[-1]
-        top2 = logits.topk(2)
-        assert set(top2.indices.tolist()) == {want.token_ids[fork], got.token_ids[fork]}
-        assert (top2.values[0] - top2.values[1]).item() < 0.1, f"fork at token {fork} is no tie: {top2}"
+        best = logits.max().item()
+        for token in (want.token_ids[fork], got.token_ids[fork]):
+            assert best - logits[token].item() < NEAR_TIE[path], f"fork at token {fork} is no tie: {logits.topk(4)}"
     assert forks <= 1
     assert tight.block_pool.num_used_blocks == 0 and tight.block_pool.check_integrity()
 
