@@ -2,6 +2,7 @@
 (``kernels/csrc/fused_ops_cpu.cpp``) for fp32 CPU tensors where they build, torch elsewhere.
 
     x = add_rms_norm_(h, delta, w, eps)   # h += delta; x = rms_norm(h)
+    token_ids = argmax_rows(logits)        # a greedy step's tokens
 """
 
 from __future__ import annotations
@@ -51,3 +52,10 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     x.copy_(x * cos[:, None] + rotated * sin[:, None])
+
+
+def argmax_rows(x: Tensor) -> Tensor:  # [M, V] -> [M] int64
+    """``x.argmax(dim=-1)``: the first maximum of each row (the first NaN where a row has one)."""
+    if _compiled(x) and x.shape[1] > 0 and x.stride(1) == 1:
+        return torch.ops.tandem_cpu.argmax_rows(x)
+    return x.argmax(dim=-1)

@@ -28,5 +28,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor argmax_rows(const at::Tensor& x);
 
 }  // namespace tandem_cpu

@@ -156,6 +156,24 @@ def test_fused_rope_matches_hf_rotation(num_tokens: int) -> None:
     assert torch.equal(qkv[:, 12 * 64 :], untouched)  # V is not rotated
 
 
+def test_argmax_rows_is_torchs_argmax() -> None:
+    """The greedy token: the first of tied maxima, the first NaN of a row with any, +-inf, rows of every width
+    (vector tails), and logits as the model gives them."""
+    for width in (1, 7, 8, 9, 49152):
+        x = torch.randn(6, width)
+        x[1] = 0.5  # all tied
+        x[2, width // 2] = float("inf")
+        x[3] = float("-inf")
+        x[4, -1] = float("nan")
+        x[5, : width // 3] = float("nan") if width > 2 else x[5, : width // 3]
+        assert torch.equal(torch.ops.tandem_cpu.argmax_rows(x), x.argmax(dim=-1)), width
+    logits = torch.randn(16, 49152) * 8
+    logits[:, 1234] = logits.max() + 1
+    logits[3, 999] = logits[3, 1234]  # a tie: the first wins
+    assert torch.equal(fused_ops.argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(fused_ops.argmax_rows(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))  # strided: torch's
+
+
 def test_weight_format_is_checked_by_name() -> None:
     from workers.engine.config import EngineConfig
     from workers.engine.model_loading import resolve_weight_format

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kernels.fused_ops import argmax_rows
 from workers.engine.penalties import apply_penalties
 from workers.engine.structured_output import apply_grammar_masks
 from workers.protocol.sampling_params import SamplingParams
@@ -110,7 +111,7 @@ def sample(
         adjusted = logits
     if any(g is not None for g in grammars):
         adjusted = apply_grammar_masks(adjusted, grammars)
-    token_ids = adjusted.argmax(dim=-1)
+    token_ids = argmax_rows(adjusted)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
