@@ -21,6 +21,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <cstdint>
 #include <immintrin.h>
@@ -45,9 +47,10 @@ inline __m256 sum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// In place: scores -> exp(scores - max); returns 1 / sum.
-float softmax_numerators(float* x, int64_t len) {
+// In place: scores -> exp(scores - max); returns 1 / sum, and the max in *max_out.
+float softmax_numerators(float* x, int64_t len, float* max_out) {
   const float max = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, len);
+  *max_out = max;
   Vec sum(0.f);
   int64_t t = 0;
   for (; t + Vec::size() <= len; t += Vec::size()) {
@@ -116,6 +119,35 @@ inline __m256 fold(R a) {
 }  // namespace avx512
 #pragma GCC pop_options
 
+// With fewer (sequence, KV head) items than the threads can share evenly (batch 1 or 2), each sequence is cut
+// into this many token ranges, each attended alone and then merged by its softmax maximum and sum (as
+// flash-decoding does on GPUs); ranges are whole blocks of at least kMinSplitTokens.
+constexpr int64_t kMinSplitTokens = 128, kMaxSplits = 64;
+
+int64_t token_splits(int64_t items, int64_t max_len) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || items >= 2 * threads) return 1;
+  const int64_t want = (2 * threads + items - 1) / items;
+  return std::max<int64_t>(1, std::min({want, max_len / kMinSplitTokens, kMaxSplits}));
+}
+
+// One (sequence, KV head, token range) into out_g [per_kv, D] (normalized within the range), with each query
+// head's softmax maximum and sum where asked (a range of a split sequence).
+template <int64_t D, typename T>
+void attend_range(const float* q_scaled, const T* kp, const T* vp, const int32_t* table, int64_t len, const Shape& s,
+                  int64_t g, bool wide, std::vector<float>& scores, float* out_g, float* max_out, float* sum_out) {
+  const int64_t stride = (len + Vec::size() - 1) / Vec::size() * Vec::size();
+  scores.resize(s.per_kv * stride);
+  float inv_sum[kMaxHeadsPerKV], max[kMaxHeadsPerKV];
+  if (wide) avx512::score<D, T>(q_scaled, kp, table, len, s, g, scores.data(), stride);
+  else avx2::score<D, T>(q_scaled, kp, table, len, s, g, scores.data(), stride);
+  for (int64_t j = 0; j < s.per_kv; ++j) inv_sum[j] = softmax_numerators(scores.data() + j * stride, len, &max[j]);
+  if (wide) avx512::weigh_values<D, T>(scores.data(), stride, vp, table, len, s, g, inv_sum, out_g);
+  else avx2::weigh_values<D, T>(scores.data(), stride, vp, table, len, s, g, inv_sum, out_g);
+  if (max_out != nullptr)
+    for (int64_t j = 0; j < s.per_kv; ++j) max_out[j] = max[j], sum_out[j] = 1.f / inv_sum[j];
+}
+
 template <int64_t D, typename T>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
             const at::Tensor& seq_lens, float scale, at::Tensor& out) {
@@ -130,26 +162,66 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   float* op = out.data_ptr<float>();
   // 512-bit vectors (half the instructions) where the kernels' instruction set has them; D = 16 fills one.
   const bool wide = tandem_cpu::isa() == tandem_cpu::Isa::kAvx512Vnni;
-  at::parallel_for(0, batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] > 0 && lens[b] <= s.max_blocks * s.block_size, "sequence length ", lens[b], " out of range");
+    max_len = std::max<int64_t>(max_len, lens[b]);
+  }
+  const int64_t items = batch * s.kv_heads, splits = token_splits(items, max_len);
+  // A range's tokens, in whole blocks; a split sequence's ranges leave their parts here to be merged.
+  const int64_t range = (max_len + splits - 1) / splits, range_len = (range + s.block_size - 1) / s.block_size * s.block_size;
+  std::vector<float> part_out, part_max, part_sum;
+  if (splits > 1) {
+    part_out.resize(items * splits * s.per_kv * D);
+    part_max.assign(items * splits * s.per_kv, 0.f);
+    part_sum.assign(items * splits * s.per_kv, 0.f);  // 0: a range past its sequence's end
+  }
+  at::parallel_for(0, items * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, q_scaled(s.per_kv * D);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t item = work / splits, part = work % splits;
       const int64_t b = item / s.kv_heads, g = item % s.kv_heads;
-      const int64_t len = lens[b];
-      TORCH_CHECK(len > 0 && len <= s.max_blocks * s.block_size, "sequence length ", len, " out of range");
+      const int64_t start = part * range_len, len = std::min<int64_t>(lens[b] - start, range_len);
+      if (len <= 0) continue;
       const float* qg = qp + (b * s.num_heads + g * s.per_kv) * D;
       for (int64_t i = 0; i < s.per_kv * D; ++i) q_scaled[i] = qg[i] * scale;
-      const int64_t stride = (len + Vec::size() - 1) / Vec::size() * Vec::size();
-      scores.resize(s.per_kv * stride);
-      const int32_t* table = tables + b * s.max_blocks;
-      float* out_g = op + (b * s.num_heads + g * s.per_kv) * D;
-      float inv_sum[kMaxHeadsPerKV];
-      if (wide) avx512::score<D, T>(q_scaled.data(), kp, table, len, s, g, scores.data(), stride);
-      else avx2::score<D, T>(q_scaled.data(), kp, table, len, s, g, scores.data(), stride);
-      for (int64_t j = 0; j < s.per_kv; ++j) inv_sum[j] = softmax_numerators(scores.data() + j * stride, len);
-      if (wide) avx512::weigh_values<D, T>(scores.data(), stride, vp, table, len, s, g, inv_sum, out_g);
-      else avx2::weigh_values<D, T>(scores.data(), stride, vp, table, len, s, g, inv_sum, out_g);
+      const int32_t* table = tables + b * s.max_blocks + start / s.block_size;
+      if (splits == 1) {
+        attend_range<D, T>(q_scaled.data(), kp, vp, table, len, s, g, wide, scores,
+                           op + (b * s.num_heads + g * s.per_kv) * D, nullptr, nullptr);
+      } else {
+        attend_range<D, T>(q_scaled.data(), kp, vp, table, len, s, g, wide, scores,
+                           part_out.data() + work * s.per_kv * D, part_max.data() + work * s.per_kv,
+                           part_sum.data() + work * s.per_kv);
+      }
     }
   });
+  if (splits == 1) return;
+  // out = sum over ranges of out_r * sum_r * exp(max_r - max) / (sum over ranges of sum_r * exp(max_r - max))
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t b = item / s.kv_heads, g = item % s.kv_heads;
+    for (int64_t j = 0; j < s.per_kv; ++j) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t part = 0; part < splits; ++part) {
+        const int64_t at = (item * splits + part) * s.per_kv + j;
+        if (part_sum[at] > 0.f) top = std::max(top, part_max[at]);
+      }
+      float weight[kMaxSplits], total = 0.f;
+      for (int64_t part = 0; part < splits; ++part) {
+        const int64_t at = (item * splits + part) * s.per_kv + j;
+        weight[part] = part_sum[at] > 0.f ? part_sum[at] * std::exp(part_max[at] - top) : 0.f;
+        total += weight[part];
+      }
+      float* o = op + (b * s.num_heads + g * s.per_kv + j) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      for (int64_t part = 0; part < splits; ++part) {
+        if (weight[part] == 0.f) continue;
+        const float w = weight[part] / total;
+        const float* src = part_out.data() + ((item * splits + part) * s.per_kv + j) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * src[d];
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -41,6 +41,31 @@ def test_decode_matches_reference(gqa: int, head_dim: int, block_size: int) -> N
         assert (got - expected).abs().max().item() < 1e-4, isa
 
 
+@pytest.mark.parametrize("seq_lens", [[1000], [300], [37, 1000], [129]])
+@pytest.mark.parametrize("gqa", [1, 3])
+def test_a_small_batch_splits_its_tokens_across_threads(seq_lens: list[int], gqa: int) -> None:
+    """Batch 1-2 has fewer (sequence, KV head) items than 2 threads share evenly: each sequence is cut into token
+    ranges attended apart and merged by their softmax maxima and sums. Ranges past a shorter sequence's end are
+    empty; one thread takes the unsplit path."""
+    num_heads, num_kv_heads = GQA[gqa]
+    num_blocks = len(seq_lens) * cdiv(max(seq_lens), 16) + 4
+    kc, vc = make_cache(num_blocks, 16, num_kv_heads, 64, torch.float32)
+    tables = shuffled_tables(seq_lens, 16, num_blocks)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), num_heads, 64) * 3
+    expected = paged_decode_attention_ref(q, kc, vc, tables, lens, scale=0.125)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            for isa in cpu_kernel.instruction_sets():
+                with cpu_kernel.instruction_set(isa):
+                    got = cpu_kernel.paged_decode_attention(q, kc, vc, tables, lens, scale=0.125)
+                assert (got - expected).abs().max().item() < 1e-4, (n, isa)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_default_cpu_backend_and_fallbacks() -> None:
     assert resolve_backend(torch.device("cpu"), None) == "cpu"
     kc, vc = make_cache(8, 16, 2, 64, torch.float16)
