@@ -169,7 +169,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   }
   const int64_t items = batch * s.kv_heads, splits = token_splits(items, max_len);
   // A range's tokens, in whole blocks; a split sequence's ranges leave their parts here to be merged.
-  const int64_t range = (max_len + splits - 1) / splits, range_len = (range + s.block_size - 1) / s.block_size * s.block_size;
+  const int64_t range = (max_len + splits - 1) / splits;
+  const int64_t range_len = (range + s.block_size - 1) / s.block_size * s.block_size;
   std::vector<float> part_out, part_max, part_sum;
   if (splits > 1) {
     part_out.resize(items * splits * s.per_kv * D);

@@ -53,7 +53,7 @@ void weigh_heads(const float* probs, int64_t stride, const T* v_cache, const int
     _Pragma("GCC unroll 4") for (int j = 0; j < kH; ++j)
       _Pragma("GCC unroll 4") for (int64_t c = 0; c < kSlice; ++c) acc[j][c] = zero();
     for (int64_t start = 0; start < len; start += s.block_size) {
-      if (c0 == 0 && start + s.block_size < len) prefetch_block(v_cache, table[start / s.block_size + 1], s, g * D + c0 * kW);
+      if (c0 == 0 && start + s.block_size < len) prefetch_block(v_cache, table[start / s.block_size + 1], s, g * D);
       const T* vb = v_cache + table[start / s.block_size] * s.block_size * s.row_stride + g * D + c0 * kW;
       const float* pb = probs + j0 * stride + start;
       const int64_t n = std::min(s.block_size, len - start);
