@@ -72,7 +72,9 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 def instruction_sets() -> list[str]:
     """The instruction sets the compiled kernels run on this CPU, oldest first ("avx2", then "avx_vnni" and
     "avx512_vnni" where it has them); ``torch.ops.tandem_cpu.set_isa(name)`` picks one for the quantized
-    matrices and decode attention (A/B benches, tests), "best" the last."""
+    matrices and decode attention (A/B benches, tests), "best" the last; none where the kernels did not build."""
+    if not available():
+        return []
     now = torch.ops.tandem_cpu.isa()
     have = []
     for isa in ("avx2", "avx_vnni", "avx512_vnni"):
