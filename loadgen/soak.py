@@ -115,7 +115,15 @@ async def run_soak(cfg: ClientConfig, workload: list[PlannedRequest], cancels: l
         if delay > 0:
             await asyncio.sleep(delay)
         if workers is not None and i == len(workload) // 10:  # a tenth in: the baseline for memory
-            baseline.update({f.worker_id: f.rss_bytes for f in await asyncio.to_thread(facts_of_all, workers)})
+            read = await asyncio.to_thread(facts_of_all, workers)
+            for _ in range(30):  # None: a kill landed as it read; read again once the cluster has seen it
+                if read is not None:
+                    break
+                await asyncio.sleep(1.0)
+                read = await asyncio.to_thread(facts_of_all, workers)
+            if read is None:
+                raise RuntimeError("no memory baseline: a worker died each time the soak read the pools")
+            baseline.update({f.worker_id: f.rss_bytes for f in read})
         cancelled[i] = await send_until(client, cfg, workload[i], records[i], cancels[i], clock_zero)
         done = sum(r.end_s is not None for r in records)
         if done % max(1, len(workload) // 20) == 0:
@@ -149,23 +157,35 @@ def pool_whole(workers: ClusterWorkers, role: str) -> bool:
     return serving >= status["targets"].get(role, 0) and not status["starting"]
 
 
-def facts_of_all(workers: ClusterWorkers) -> list[WorkerFacts]:
-    return [workers.facts(w) for w in workers.ids()]
+def facts_of_all(workers: ClusterWorkers) -> list[WorkerFacts] | None:
+    """Every serving worker's facts; None if one died as it was asked (a kill the cluster has not yet seen)."""
+    import ray
+
+    try:
+        return [workers.facts(w) for w in workers.ids()]
+    except (ray.exceptions.RayActorError, ValueError):  # ValueError: get_actor of one already gone
+        return None
 
 
 def settle(workers: ClusterWorkers, wanted: dict[str, int], timeout_s: float, say: Any) -> list[WorkerFacts]:
-    """Wait until the pools are back to ``wanted`` and nothing runs or waits; then every worker's facts."""
+    """Wait until the pools are back to ``wanted`` and nothing runs or waits; then every worker's facts. A
+    worker killed just before (still listed healthy) is waited out until its replacement serves."""
     deadline = time.monotonic() + timeout_s
     while True:
         status = workers.status()
         busy = sum(w["num_running"] + w["num_waiting"] for w in status["workers"])
-        if status["pools"] == wanted and not busy and not status["starting"] or time.monotonic() > deadline:
-            break
+        late = time.monotonic() > deadline
+        if status["pools"] == wanted and not busy and not status["starting"] or late:
+            facts = facts_of_all(workers)
+            if facts is not None:
+                break
+            if late:
+                raise RuntimeError(f"a worker died as the soak read the pools' state, and they did not settle "
+                                   f"within {timeout_s:.0f} s")
         time.sleep(0.5)
-    facts = facts_of_all(workers)
     if any(f.blocks_held for f in facts):  # a freed request's blocks go back within a step or two
         time.sleep(2.0)
-        facts = facts_of_all(workers)
+        facts = facts_of_all(workers) or facts
     say(f"settled: pools {workers.status()['pools']}")
     return facts
 

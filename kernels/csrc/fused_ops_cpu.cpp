@@ -10,7 +10,7 @@
 //   rope_(x [T, heads, D], cos [T, D], sin [T, D]) in place, HF's half-split layout:
 //       x[..., :D/2], x[..., D/2:]  <-  x1 * cos1 - x2 * sin1,  x2 * cos2 + x1 * sin2
 //   argmax_rows(x [M, V])                      -> [M] int64, as torch.argmax(x, -1): the first maximum, or the
-//       first NaN (a greedy step's token: torch's reduction takes ~50 us a row of 49,152 logits, this ~5)
+//       first NaN (a greedy step's tokens: 8 rows of 49,152 logits in ~0.1 ms on 2 threads, torch's 0.34)
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
