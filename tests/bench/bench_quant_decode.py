@@ -105,10 +105,7 @@ def main() -> None:
         # Two rounds, the second one kept: the first rows measured in a process ran ~1.6x slower at batch 1
         # here than the same rows measured again later (whatever the row), so one round favours the last rows.
         for isa in isas * 2:
-            if isa is not None:
-                torch.ops.tandem_cpu.set_isa(isa)
-            else:
-                torch.ops.tandem_cpu.set_isa("best")
+            torch.ops.tandem_cpu.set_isa(isa or "best")
             isa_name = (isa or torch.ops.tandem_cpu.isa()) if fmt == "gguf" else "-"
             name = f"{fmt} {isa_name} KV {kv_name}"
             b1 = decode_step_seconds(engine, 1, args.steps, rng)
