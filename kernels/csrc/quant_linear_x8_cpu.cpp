@@ -32,6 +32,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <type_traits>
 
 #include "quant_blocks.h"

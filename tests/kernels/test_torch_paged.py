@@ -52,7 +52,11 @@ def test_decode_reuses_its_plan_across_layers_and_rebuilds_it_for_new_tables(kv_
     assert (got - paged_decode_attention_ref(q, *layers[0], bt2, sl2, scale=0.2)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("q_lens, seq_lens", [([1, 5, 17, 100], [1, 16, 40, 100]), ([32, 7, 300], [1500, 7, 420])])
+@pytest.mark.parametrize("q_lens, seq_lens", [
+    ([1, 5, 17, 100], [1, 16, 40, 100]), ([32, 7, 300], [1500, 7, 420]),
+    ([300], [300]), ([5, 17, 100, 33], [5, 17, 100, 33]),  # whole prompts: the causal path
+    ([200], [232]), ([40, 3, 100], [60, 3, 120]),  # short cached prefixes: the causal path, queries placed
+])
 def test_prefill_matches_reference(q_lens, seq_lens):
     kc, vc = make_cache()
     bt = tables(seq_lens, 16, kc.shape[0], seed=1)
