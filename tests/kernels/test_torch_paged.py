@@ -54,8 +54,8 @@ def test_decode_reuses_its_plan_across_layers_and_rebuilds_it_for_new_tables(kv_
 
 @pytest.mark.parametrize("q_lens, seq_lens", [
     ([1, 5, 17, 100], [1, 16, 40, 100]), ([32, 7, 300], [1500, 7, 420]),
-    ([300], [300]), ([5, 17, 100, 33], [5, 17, 100, 33]),  # whole prompts: the causal path
-    ([200], [232]), ([40, 3, 100], [60, 3, 120]),  # short cached prefixes: the causal path, queries placed
+    ([300], [300]), ([5, 17, 100, 33], [5, 17, 100, 33]),  # whole prompts: SDPA's causal path, no mask
+    ([200], [232]), ([40, 3, 100], [60, 3, 120]),  # short cached prefixes: the mask
 ])
 def test_prefill_matches_reference(q_lens, seq_lens):
     kc, vc = make_cache()

@@ -1,0 +1,139 @@
+"""Prefill on this CPU: where a prompt's time goes, and prefill attention's causal path beside the masked one.
+
+    .venv/bin/python tests/bench/bench_prefill.py [--tokens 500] [--prefix 32] [--repeats 5]
+
+On the default cluster prefill shares the cores with decode, so every millisecond of it also stretches the
+running requests' TPOT. Measured side by side in one run:
+1. the engine prefilling a fresh random prompt of --tokens tokens (no prefix shared: caches cold), and one
+   of --tokens new tokens after a cached prefix of --prefix tokens (the chat template's system prompt hits
+   the prefix cache this way), median ms, split by torch.profiler into the quantized matrices, attention,
+   and the rest;
+2. one layer's attention for a whole prompt over the paged cache both ways: SDPA's causal path
+   (``kernels.torch_paged``, what runs for prompts with nothing cached before them) against SDPA with an
+   explicit [queries, keys] mask (what ran before, and still runs after a cached prefix), median of
+   --repeats x 10 calls, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from kernels.torch_paged import paged_prefill_attention_torch  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+from workers.protocol.sampling_params import SamplingParams  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the bundled model's attention
+GROUPS = {"matrices": ("tandem_cpu::q4_1x8_linear", "tandem_cpu::q8_0x8_linear"),
+          "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                        "aten::_scaled_dot_product_attention_math")}
+
+
+def prefill_ms(engine: Engine, prompt: list[int]) -> float:
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompt, params)
+    t0 = time.perf_counter()
+    while engine.has_unfinished:
+        engine.step()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def split_ms(engine: Engine, prompts: list[list[int]]) -> dict[str, float]:
+    """Each group's self time a prompt, from torch.profiler over the prompts."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for p in prompts:
+            prefill_ms(engine, p)
+    out = dict.fromkeys(GROUPS, 0.0)
+    for event in prof.key_averages():
+        for group, names in GROUPS.items():
+            if event.key in names:
+                out[group] += event.self_cpu_time_total / 1e3 / len(prompts)
+    return out
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The path before: a whole prompt's queries against its keys under an explicit causal mask."""
+    n = q.shape[0]
+    k_pos = torch.arange(k.shape[2])
+    mask = (k_pos <= torch.arange(n).unsqueeze(1)) & (k_pos < n)
+    return F.scaled_dot_product_attention(q.unsqueeze(0).transpose(1, 2), k, v, attn_mask=mask[None, None],
+                                          scale=scale, enable_gqa=True).transpose(1, 2)[0]
+
+
+def attention_ab(tokens: int, repeats: int) -> tuple[float, float]:
+    """ms a layer for a whole prompt: (SDPA's causal path, explicit mask), same cache and queries."""
+    blocks = (tokens + BLOCK - 1) // BLOCK
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(blocks * 4, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).half()
+    v_cache = torch.randn(blocks * 4, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).half()
+    table = torch.randperm(blocks * 4, generator=gen)[:blocks].int().unsqueeze(0)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen)
+    qsl = torch.tensor([0, tokens], dtype=torch.int32)
+    lens = torch.tensor([tokens], dtype=torch.int32)
+    scale = HEAD_DIM ** -0.5
+
+    def ours() -> torch.Tensor:
+        return paged_prefill_attention_torch(q, k_cache, v_cache, table, qsl, lens, scale=scale)
+
+    def before() -> torch.Tensor:  # the same gather and widening, then the mask
+        ids = table[0].long()
+        k = k_cache[ids].reshape(1, -1, KV_HEADS, HEAD_DIM).transpose(1, 2).float()
+        v = v_cache[ids].reshape(1, -1, KV_HEADS, HEAD_DIM).transpose(1, 2).float()
+        return masked_attention(q, k, v, scale)
+
+    assert (ours() - before()).abs().max().item() < 1e-4, "the two paths disagree"
+    times: dict[str, list[float]] = {"ours": [], "before": []}
+    for _ in range(repeats):
+        for name, fn in (("ours", ours), ("before", before)):  # alternated: the machine's drift hits both
+            t0 = time.perf_counter()
+            for _ in range(10):
+                fn()
+            times[name].append((time.perf_counter() - t0) * 100)
+    return statistics.median(times["ours"]), statistics.median(times["before"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=500)
+    parser.add_argument("--prefix", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(100, 40000) for _ in range(n)]
+
+    engine = Engine(EngineConfig(num_kv_blocks=1024))  # the default engine: quantized weights, fp16 cache
+    prefill_ms(engine, fresh(args.tokens))  # warm-up: the process meets its shapes
+    system = fresh(args.prefix)
+    prefill_ms(engine, system)  # now cached (whole blocks of it)
+    print(f"threads {args.threads}; prefill of {args.tokens} new tokens, median of {args.repeats}")
+    print(f"{'prompt':<28} {'total ms':>9} {'matrices':>9} {'attention':>10} {'rest':>7}")
+    for name, make in ((f"{args.tokens} fresh", lambda: fresh(args.tokens)),
+                       (f"{args.prefix} cached + {args.tokens} new", lambda: system + fresh(args.tokens))):
+        total = statistics.median(prefill_ms(engine, make()) for _ in range(args.repeats))
+        parts = split_ms(engine, [make() for _ in range(2)])
+        rest = total - sum(parts.values())
+        print(f"{name:<28} {total:9.1f} {parts['matrices']:9.1f} {parts['attention']:10.1f} {rest:7.1f}")
+    ours, before = attention_ab(args.tokens, args.repeats)
+    print(f"one layer's attention for a whole {args.tokens}-token prompt, ms ({args.repeats} x 10 calls, alternated): "
+          f"causal path {ours:.2f}, explicit mask {before:.2f}, {before / ours:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
