@@ -187,14 +187,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const float* qg = qp + (b * s.num_heads + g * s.per_kv) * D;
       for (int64_t i = 0; i < s.per_kv * D; ++i) q_scaled[i] = qg[i] * scale;
       const int32_t* table = tables + b * s.max_blocks + start / s.block_size;
-      if (splits == 1) {
-        attend_range<D, T>(q_scaled.data(), kp, vp, table, len, s, g, wide, scores,
-                           op + (b * s.num_heads + g * s.per_kv) * D, nullptr, nullptr);
-      } else {
-        attend_range<D, T>(q_scaled.data(), kp, vp, table, len, s, g, wide, scores,
-                           part_out.data() + work * s.per_kv * D, part_max.data() + work * s.per_kv,
-                           part_sum.data() + work * s.per_kv);
-      }
+      const bool whole = splits == 1;  // a whole sequence writes its output; a range leaves its part to merge
+      attend_range<D, T>(q_scaled.data(), kp, vp, table, len, s, g, wide, scores,
+                         whole ? op + (b * s.num_heads + g * s.per_kv) * D : part_out.data() + work * s.per_kv * D,
+                         whole ? nullptr : part_max.data() + work * s.per_kv,
+                         whole ? nullptr : part_sum.data() + work * s.per_kv);
     }
   });
   if (splits == 1) return;
