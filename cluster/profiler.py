@@ -45,11 +45,11 @@ def measure_profile(config: EngineConfig, say: Callable[[str], None] = print) ->
     prefill = _measure_prefill(engine, vocab, say)
     decode = _measure_decode(engine, vocab, say)
     transfer = _measure_transfer(engine, say)
-    mcfg = engine.model.config
     return TimingProfile(
         device=_device_name(engine.model.device), model=config.model or "SmolLM2-135M-Instruct (bundled)",
         weight_format=resolve_weight_format(config, engine.model.device, engine.model.dtype),
-        kv_bytes_per_token=mcfg.kv_bytes_per_token(engine.runner.kv_cache.element_size()), block_size=config.block_size,
+        kv_bytes_per_token=engine.runner.kv_cache.nbytes // (engine.block_pool.num_blocks * config.block_size),
+        block_size=config.block_size,
         kv_tokens_per_worker=engine.block_pool.num_blocks * config.block_size, max_num_seqs=config.max_num_seqs,
         prefill_chunk_size=config.prefill_chunk_size, prefill=prefill, decode=decode, transfer=transfer,
         transfer_backend="tcp", seconds_to_measure=round(time.monotonic() - started, 1))

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kernels import kv_quant
 from kernels.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in (
 HEADERS = sorted((Path(__file__).resolve().parent / "csrc").glob("*.h"))
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_HEADS_PER_KV = 16
-CACHE_DTYPES = (torch.float32, torch.float16)  # what decode attention reads (fp32 queries either way)
+CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)  # what decode attention reads (fp32 queries either way)
 _NAME = "tandem_cpu_kernels"
 # -ffp-contract=off: a dequantized weight is d * q + m rounded twice, as the gguf package computes it.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2",
@@ -54,6 +55,7 @@ def unavailable_reason() -> str | None:
 def supports(q: Tensor, k_cache: Tensor) -> bool:
     """The shapes and dtypes the kernel takes (anything else stays on the torch path)."""
     return (q.dtype == torch.float32 and k_cache.dtype in CACHE_DTYPES and q.shape[-1] in HEAD_DIMS
+            and kv_quant.head_dim_of(k_cache) == q.shape[-1]
             and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= MAX_HEADS_PER_KV)
 
 
@@ -65,7 +67,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Shapes as ``torch_paged.store_kv_torch``; rows of the caches' dtype, or fp32 rows into fp16 caches."""
+    """Shapes as ``torch_paged.store_kv_torch``; rows of the caches' dtype, or fp32 rows into fp16 or int8 caches."""
     torch.ops.tandem_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 

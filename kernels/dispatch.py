@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels import cpu_kernel, torch_decode, torch_paged
+from kernels import cpu_kernel, kv_quant, torch_decode, torch_paged
 
 BACKENDS = ("torch", "triton", "cpu")
 
@@ -65,6 +65,9 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         )
     if chosen == "cpu" and cpu_kernel.supports(q, k_cache):
         return cpu_kernel.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
+    if k_cache.dtype == kv_quant.INT8:
+        raise ValueError(f"an int8 KV cache is read by the compiled CPU attention only (backend {chosen}, "
+                         f"queries {q.dtype} {tuple(q.shape)})")
     return torch_decode.paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale=scale)
 
 

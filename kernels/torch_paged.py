@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import kv_quant
 from kernels.host_math import cdiv
 from kernels.length_groups import length_groups
 
@@ -25,6 +26,10 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) ->
     ids = block_tables[:, :num_blocks].reshape(-1).long()
     gathered = torch.index_select(cache.view(cache.shape[0], -1), 0, ids)  # [B * nb, bs * KVH * D]
     return gathered.view(batch, num_blocks * block_size, *cache.shape[2:]).transpose(1, 2)
+
+
+def _widen(rows: Tensor, dtype: torch.dtype) -> Tensor:
+    return kv_quant.dequantize_rows(rows, dtype) if rows.dtype == kv_quant.INT8 else rows.to(dtype)
 
 
 def paged_prefill_attention_torch(
@@ -57,9 +62,9 @@ def _prefill_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Te
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     max_q = int(q_lens.max())
     max_len = int(seq_lens.max())
-    # A cache narrower than q (fp16 under fp32 activations) is widened after the gather: only the rows read.
-    k = _gather_kv(k_cache, block_tables, max_len).to(q.dtype)  # [S, KVH, L, D]
-    v = _gather_kv(v_cache, block_tables, max_len).to(q.dtype)
+    # A cache narrower than q (fp16 or int8 under fp32 activations) is widened after the gather: only the rows read.
+    k = _widen(_gather_kv(k_cache, block_tables, max_len), q.dtype)  # [S, KVH, L, D]
+    v = _widen(_gather_kv(v_cache, block_tables, max_len), q.dtype)
     # Pad queries to [S, max_q]: row i of sequence s is packed row start_s + i.
     rows = torch.arange(max_q, device=q.device)
     is_real = rows < q_lens.unsqueeze(1)  # [S, max_q]
@@ -101,5 +106,7 @@ def store_kv_torch(
     valid = slots >= 0
     if not bool(valid.all()):
         slots, k, v = slots[valid], k[valid], v[valid]
+    if flat_k.dtype == kv_quant.INT8:
+        k, v = kv_quant.quantize_rows(k), kv_quant.quantize_rows(v)
     flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
     flat_v.index_copy_(0, slots, v.to(flat_v.dtype))

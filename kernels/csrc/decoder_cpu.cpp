@@ -12,7 +12,7 @@
 // 3 = Q8_0 interleaved by 8 rows.
 //
 //   h [B, hidden] fp32, updated in place to the residual stream after the last layer (final norm not applied)
-//   kv_cache [layers, 2, num_blocks, block_size, KVH, D]; cos/sin [B, D]; slot_mapping [B];
+//   kv_cache [layers, 2, num_blocks, block_size, KVH, D] (int8: D + 4); cos/sin [B, D]; slot_mapping [B];
 //   block_tables [B, max_blocks] int32; seq_lens [B] int32
 
 #include <ATen/ATen.h>
@@ -51,7 +51,8 @@ void decode_layers_(at::Tensor& h, at::TensorList weights, at::IntArrayRef forma
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat, "h must be [B, hidden] contiguous fp32");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == layers && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be [layers, 2, num_blocks, block_size, KVH, D] contiguous, one layer per 7 weights");
-  const int64_t B = h.size(0), D = kv_cache.size(5);
+  // An int8 cache's head rows end in a 4-byte scale (paged_decode_cpu.cpp).
+  const int64_t B = h.size(0), D = kv_cache.size(5) - (kv_cache.scalar_type() == at::kChar ? 4 : 0);
   TORCH_CHECK(kv_cache.size(4) == num_kv_heads && num_heads % num_kv_heads == 0, "head counts disagree with the cache");
   TORCH_CHECK(slot_mapping.numel() == B && seq_lens.numel() == B && block_tables.size(0) == B,
               "one slot, length and block table a row of h");

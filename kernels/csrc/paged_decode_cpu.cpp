@@ -10,6 +10,11 @@
 //
 //   q [B, H, D] fp32, k_cache/v_cache [num_blocks, block_size, KVH, D] fp32 or fp16, block_tables [B, M] int32,
 //   seq_lens [B] int32, scale  ->  out [B, H, D] fp32
+//
+// An int8 cache is [num_blocks, block_size, KVH, D + 4]: each head row holds D values quantized symmetrically
+// (x ~ q * scale, scale = max|x| / 127) and then its scale as 4 bytes of fp32, so a block is still one run of
+// bytes (the KV transports and the prefix cache move it unchanged) at 68 bytes a row of 64 instead of fp16's 128.
+// Scores take each token's K scale once for its 8-token sums; the value pass folds V's scale into the weight.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,6 +31,7 @@
 #include <cstring>
 #include <cstdint>
 #include <immintrin.h>
+#include <type_traits>
 #include <vector>
 
 #include "tandem_cpu.h"
@@ -36,8 +42,24 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kMaxHeadsPerKV = 16;
 
 struct Shape {
-  int64_t num_heads, kv_heads, per_kv, block_size, max_blocks, row_stride;
+  int64_t num_heads, kv_heads, per_kv, block_size, max_blocks, row_stride, head_stride;  // strides in elements
 };
+
+constexpr int64_t kScaleBytes = 4;  // an int8 head row's fp32 scale, after its D values
+
+// The scale of the int8 head row starting at `row` (unaligned: rows are D + 4 bytes).
+template <int64_t D>
+inline float row_scale(const int8_t* row) {
+  float scale;
+  std::memcpy(&scale, row + D, sizeof(scale));
+  return scale;
+}
+
+// Elements of a cache's head row: D, or D values and a scale for int8.
+template <typename T>
+constexpr int64_t head_row(int64_t d) {
+  return std::is_same_v<T, int8_t> ? d + kScaleBytes : d;
+}
 
 // The 8 horizontal sums of a[0..7], as one vector (lane t = sum of a[t]).
 inline __m256 sum8(const __m256* a) {
@@ -75,19 +97,23 @@ template <typename T>
 inline void prefetch_block(const T* cache, int32_t block, const Shape& s, int64_t col) {
   const char* row = reinterpret_cast<const char*>(cache + block * s.block_size * s.row_stride + col);
   const int64_t row_bytes = s.row_stride * static_cast<int64_t>(sizeof(T));
-  const int64_t head_bytes = (s.row_stride / s.kv_heads) * static_cast<int64_t>(sizeof(T));
+  const int64_t head_bytes = s.head_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t r = 0; r < s.block_size; ++r, row += row_bytes)
     for (int64_t b = 0; b < head_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
 }
 
 // The loops over a sequence's cached tokens, once per vector width. A cache row's values load as fp32: the
-// cache holds fp32, or fp16 (half the bytes a step reads; F16C widens them exactly).
+// cache holds fp32, fp16 (half the bytes a step reads; F16C widens them exactly) or int8 (widened exactly; the
+// row's scale is applied by the loops).
 namespace avx2 {
 using R = __m256;
 constexpr int64_t kW = 8;
 constexpr int kHeadsAtOnce = 3;  // 3 * (4 + 1) + 1 = 16 registers
 inline R load(const float* p) { return _mm256_loadu_ps(p); }
 inline R load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline R load(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline R zero() { return _mm256_setzero_ps(); }
 inline R mul(R a, R b) { return _mm256_mul_ps(a, b); }
 inline R add(R a, R b) { return _mm256_add_ps(a, b); }
@@ -106,6 +132,9 @@ constexpr int64_t kW = 16;
 constexpr int kHeadsAtOnce = 4;  // 4 * (4 + 1) + 1 = 21 of 32 registers
 inline R load(const float* p) { return _mm512_loadu_ps(p); }
 inline R load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline R load(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline R zero() { return _mm512_setzero_ps(); }
 inline R mul(R a, R b) { return _mm512_mul_ps(a, b); }
 inline R add(R a, R b) { return _mm512_add_ps(a, b); }
@@ -153,7 +182,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             const at::Tensor& seq_lens, float scale, at::Tensor& out) {
   const int64_t batch = q.size(0);
   const Shape s{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), k_cache.size(1), block_tables.size(1),
-                k_cache.size(2) * D};
+                k_cache.size(2) * head_row<T>(D), head_row<T>(D)};
   const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -222,6 +251,31 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   }
 }
 
+// One head row of D fp32 values (D a multiple of 8) into D int8 values and their fp32 scale:
+// scale = max|x| / 127, q = x / scale rounded to nearest even (0 and scale 0 for a row of zeros).
+void quantize_head_row(const float* x, int64_t d, int8_t* out) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 top = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float amax = 0.f;
+  for (const float l : lanes) amax = std::max(amax, l);
+  const float scale = amax / 127.f;
+  std::memcpy(out + d, &scale, sizeof(scale));
+  if (scale == 0.f) {
+    std::memset(out, 0, d);
+    return;
+  }
+  const __m256 div = _mm256_set1_ps(scale), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_div_ps(_mm256_loadu_ps(x + i), div)));
+    const __m256i n = _mm256_cvtps_epi32(v);  // the default rounding: to nearest even
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packs_epi16(w16, w16));
+  }
+}
+
 }  // namespace
 
 namespace tandem_cpu {
@@ -230,22 +284,25 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be fp32");
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
-              "the caches must both be fp32 or both fp16");
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kChar),
+              "the caches must both be fp32, both fp16 or both int8");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous tensors only");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head shapes disagree");
+  const int64_t row = cache_type == at::kChar ? q.size(2) + kScaleBytes : q.size(2);
+  TORCH_CHECK(k_cache.size(3) == row && q.size(1) % k_cache.size(2) == 0, "head shapes disagree: rows of ",
+              k_cache.size(3), " for queries of ", q.size(2), cache_type == at::kChar ? " (int8: D + 4)" : "");
   TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxHeadsPerKV, "too many query heads per KV head");
   at::Tensor out = at::empty_like(q);
   const float fscale = static_cast<float>(scale);
-  const bool half = k_cache.scalar_type() == at::kHalf;
   switch (q.size(2)) {  // the head size is a compile-time constant, so a row's vectors live in registers
-#define TANDEM_ATTEND(D)                                                                                   \
-  case D:                                                                                                  \
-    if (half) attend<D, at::Half>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);               \
-    else attend<D, float>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);                       \
+#define TANDEM_ATTEND(D)                                                                                       \
+  case D:                                                                                                      \
+    if (cache_type == at::kHalf) attend<D, at::Half>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);   \
+    else if (cache_type == at::kChar) attend<D, int8_t>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); \
+    else attend<D, float>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);                           \
     break;
     TANDEM_ATTEND(16)
     TANDEM_ATTEND(32)
@@ -260,8 +317,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 // Each token's K and V rows into its cache slot (slot -1: a padding token, skipped): one copy a row, where
 // the torch path's validity mask, gathers and index_copy_ cost ~40 us a layer for a single decode token.
-// fp32 rows into an fp16 cache are rounded to nearest even, as torch's .to(float16) rounds.
+// fp32 rows into an fp16 cache are rounded to nearest even, as torch's .to(float16) rounds; into an int8 cache
+// each head row is quantized as kernels/kv_quant.py's reference does (its bits exactly).
 //   k, v [T, KVH, D] (rows may be strided views of a fused QKV), caches [num_blocks, block_size, KVH, D]
+//   (int8: [..., KVH, D + 4])
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -269,22 +328,33 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "K and V must share a dtype, and so must their caches");
   const bool to_half = k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kHalf;
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() || to_half, "rows of ", k.scalar_type(),
-              " cannot go into a cache of ", k_cache.scalar_type(), " (same dtype, or fp32 into fp16)");
+  const bool to_int8 = k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() || to_half || to_int8, "rows of ", k.scalar_type(),
+              " cannot go into a cache of ", k_cache.scalar_type(), " (same dtype, or fp32 into fp16 or int8)");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "each token's K and V heads must be one contiguous row");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches only");
-  TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == k.size(1) * k.size(2), "head shapes disagree");
+  const int64_t head_dim = k.size(2);
+  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == (to_int8 ? head_dim + kScaleBytes : head_dim),
+              "head shapes disagree: cache rows of ", k_cache.size(2), " x ", k_cache.size(3), " for K of ", k.size(1),
+              " x ", head_dim, to_int8 ? " (int8: D + 4)" : "");
+  TORCH_CHECK(!to_int8 || head_dim % 8 == 0, "an int8 cache needs a head size that is a multiple of 8, not ", head_dim);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt, "integer slots");
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = k.size(1) * k.size(2);
-  const int64_t row_bytes = row * k_cache.element_size();
+  const int64_t row_bytes = k_cache.size(2) * k_cache.size(3) * k_cache.element_size();
   const int64_t* sp = slots.data_ptr<int64_t>();
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
   const auto put = [&](char* dst, const char* src) {
+    if (to_int8) {
+      for (int64_t h = 0; h < k.size(1); ++h)
+        quantize_head_row(reinterpret_cast<const float*>(src) + h * head_dim, head_dim,
+                          reinterpret_cast<int8_t*>(dst) + h * (head_dim + kScaleBytes));
+      return;
+    }
     if (!to_half) {
       std::memcpy(dst, src, row_bytes);
       return;

@@ -3,6 +3,7 @@
 // The namespace defines, before including: R (the register type), kW (floats in R), kHeadsAtOnce (query heads
 // whose accumulators fit in registers at once), and load / load(Half) / zero / mul / add / fmadd / broadcast /
 // store / fold (R -> 8 partial sums in a __m256).
+// T is the cache's element: float, at::Half, or int8_t (each head row D values and its fp32 scale, row_scale).
 
 // Scores of one (sequence, KV head): q_j . k_t * scale for every query head j of the group, token t. Tokens
 // go 8 at a time: each (token, head) leaves 8 partial sums, and 8 tokens' reduce together (sum8).
@@ -11,13 +12,16 @@ void score(const float* q_scaled, const T* k_cache, const int32_t* table, int64_
            int64_t g, float* scores, int64_t stride) {
   constexpr int64_t kChunks = D / kW;
   alignas(32) __m256 partial[kMaxHeadsPerKV][8];
+  alignas(32) float k_scale[8] = {};  // int8 rows: the 8 tokens' scales, applied to their 8 sums at once
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - t0);
     int64_t block = t0 / s.block_size, offset = t0 % s.block_size;
     for (int64_t i = 0; i < n; ++i) {
-      if (offset == 0 && (block + 1) * s.block_size < len) prefetch_block(k_cache, table[block + 1], s, g * D);
-      const T* k = k_cache + (table[block] * s.block_size + offset) * s.row_stride + g * D;
+      if (offset == 0 && (block + 1) * s.block_size < len)
+        prefetch_block(k_cache, table[block + 1], s, g * s.head_stride);
+      const T* k = k_cache + (table[block] * s.block_size + offset) * s.row_stride + g * s.head_stride;
       if (++offset == s.block_size) offset = 0, ++block;
+      if constexpr (std::is_same_v<T, int8_t>) k_scale[i] = row_scale<D>(k);
       R kv[kChunks];
       for (int64_t c = 0; c < kChunks; ++c) kv[c] = load(k + c * kW);
       for (int64_t j = 0; j < s.per_kv; ++j) {
@@ -36,7 +40,9 @@ void score(const float* q_scaled, const T* k_cache, const int32_t* table, int64_
     }
     for (int64_t j = 0; j < s.per_kv; ++j) {
       for (int64_t i = n; i < 8; ++i) partial[j][i] = _mm256_setzero_ps();
-      _mm256_storeu_ps(scores + j * stride + t0, sum8(partial[j]));  // stride: a multiple of 8
+      __m256 sums = sum8(partial[j]);
+      if constexpr (std::is_same_v<T, int8_t>) sums = _mm256_mul_ps(sums, _mm256_load_ps(k_scale));
+      _mm256_storeu_ps(scores + j * stride + t0, sums);  // stride: a multiple of 8
     }
   }
 }
@@ -53,14 +59,20 @@ void weigh_heads(const float* probs, int64_t stride, const T* v_cache, const int
     _Pragma("GCC unroll 4") for (int j = 0; j < kH; ++j)
       _Pragma("GCC unroll 4") for (int64_t c = 0; c < kSlice; ++c) acc[j][c] = zero();
     for (int64_t start = 0; start < len; start += s.block_size) {
-      if (c0 == 0 && start + s.block_size < len) prefetch_block(v_cache, table[start / s.block_size + 1], s, g * D);
-      const T* vb = v_cache + table[start / s.block_size] * s.block_size * s.row_stride + g * D + c0 * kW;
+      if (c0 == 0 && start + s.block_size < len)
+        prefetch_block(v_cache, table[start / s.block_size + 1], s, g * s.head_stride);
+      const T* vb = v_cache + table[start / s.block_size] * s.block_size * s.row_stride + g * s.head_stride + c0 * kW;
       const float* pb = probs + j0 * stride + start;
       const int64_t n = std::min(s.block_size, len - start);
       for (int64_t i = 0; i < n; ++i) {
         const T* v = vb + i * s.row_stride;
         R p[kH];  // kH weights, then one V register at a time: kH * (kSlice + 1) + 1 registers
-        _Pragma("GCC unroll 4") for (int j = 0; j < kH; ++j) p[j] = broadcast(pb[j * stride + i]);
+        if constexpr (std::is_same_v<T, int8_t>) {  // an int8 row's scale joins each head's weight
+          const float v_scale = row_scale<D>(v - c0 * kW);
+          _Pragma("GCC unroll 4") for (int j = 0; j < kH; ++j) p[j] = broadcast(pb[j * stride + i] * v_scale);
+        } else {
+          _Pragma("GCC unroll 4") for (int j = 0; j < kH; ++j) p[j] = broadcast(pb[j * stride + i]);
+        }
         _Pragma("GCC unroll 4") for (int64_t c = 0; c < kSlice; ++c) {
           const R vc = load(v + c * kW);
           _Pragma("GCC unroll 4") for (int j = 0; j < kH; ++j) acc[j][c] = fmadd(p[j], vc, acc[j][c]);

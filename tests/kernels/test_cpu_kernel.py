@@ -136,7 +136,7 @@ def test_an_fp16_cache_reads_as_its_exact_fp32_widening() -> None:
             widened = cpu_kernel.paged_decode_attention(q, kc16.float(), vc16.float(), tables, lens, scale=0.125)
         assert torch.equal(got, widened), isa
         assert (got - exact).abs().max().item() < 1e-2, isa  # what rounding K and V to fp16 costs
-    with pytest.raises(RuntimeError, match="must both be fp32 or both fp16"):
+    with pytest.raises(RuntimeError, match="must both be fp32, both fp16 or both int8"):
         cpu_kernel.paged_decode_attention(q, kc16, vc, tables, lens, scale=0.125)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quantize
 
-from kernels import cpu_kernel
+from kernels import cpu_kernel, kv_quant
 from kernels.quant_linear import QuantizedWeight
 from tests.tiny_model import random_weights, tiny_config
 from workers.model.attention_metadata import AttentionMetadata
@@ -69,7 +69,8 @@ def assert_stack_matches_loop(model: LlamaModel, kv_dtype: torch.dtype = torch.f
     assert stack is not None, "quantized fp32 weights on CPU must take the compiled stack"
     max_blocks = max(SEQ_LENS) // BLOCK + 1
     kv = torch.randn(cfg.num_layers, 2, len(SEQ_LENS) * max_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim,
-                     generator=torch.Generator().manual_seed(1)).to(kv_dtype)
+                     generator=torch.Generator().manual_seed(1))
+    kv = kv_quant.quantize_rows(kv) if kv_dtype == torch.int8 else kv.to(kv_dtype)
     kv_loop = kv.clone()
     got = decode_step(model, kv, seed=2)
     try:
@@ -82,7 +83,7 @@ def assert_stack_matches_loop(model: LlamaModel, kv_dtype: torch.dtype = torch.f
     assert torch.equal(kv, kv_loop), "the stack wrote other K/V than the loop"
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8])
 def test_default_model_stack_is_bit_identical(quantized_model, kv_dtype: torch.dtype) -> None:
     assert_stack_matches_loop(quantized_model, kv_dtype)
 

@@ -1,5 +1,6 @@
 """The KV cache's element type (``EngineConfig.kv_cache_dtype``): fp16 by default under GGUF weights on CPU
-(decode attention reads half the bytes), the model's dtype elsewhere, and what is not built refused by name."""
+(decode attention reads half the bytes), the model's dtype elsewhere, int8 where asked (the compiled CPU
+attention; ~half fp16's bytes again), and what is not built refused by name."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def test_auto_is_fp16_under_gguf_weights_and_the_model_dtype_when_dense(make_eng
     half = make_engine(num_kv_blocks=None, kv_cache_bytes=64 * 2**20)
     full = make_engine(num_kv_blocks=None, kv_cache_bytes=64 * 2**20, kv_cache_dtype="float32")
     assert half.block_pool.num_blocks == 2 * full.block_pool.num_blocks
+    # int8: a head row of 64 is 64 values and a 4-byte scale, 68 bytes against fp16's 128
+    int8 = make_engine(num_kv_blocks=None, kv_cache_bytes=64 * 2**20, kv_cache_dtype="int8")
+    assert int8.runner.kv_cache.dtype == torch.int8 and int8.runner.kv_cache.shape[-1] == 64 + 4
+    assert int8.block_pool.num_blocks == pytest.approx(half.block_pool.num_blocks * 128 / 68, abs=1)
 
 
 def test_fp16_cache_keeps_the_quantized_path_as_close_to_the_exact_one(make_engine, quantized_model) -> None:
@@ -43,15 +48,16 @@ def test_fp16_cache_keeps_the_quantized_path_as_close_to_the_exact_one(make_engi
 
     exact = logprobs(dense)
     off = {}
-    for name in ("float16", "float32"):
+    for name in ("float16", "float32", "int8"):
         engine = make_engine(kv_cache_dtype=name, enable_prefix_caching=False)
         assert engine.runner.kv_cache.dtype == getattr(torch, name)
         off[name] = (logprobs(engine) - exact).abs()
     assert len(exact) > 200
     # Seen here: median 0.018 and p90 0.093 nats off (fp16 cache) against 0.021 and 0.106 (fp32 cache); a
-    # broken cache is off by nats.
-    assert off["float16"].median() <= 1.25 * off["float32"].median() + 0.005, off
-    assert off["float16"].quantile(0.9) <= 1.25 * off["float32"].quantile(0.9) + 0.01, off
+    # broken cache is off by nats. int8 (each head row's own scale): median 0.024, p90 0.108.
+    for name in ("float16", "int8"):
+        assert off[name].median() <= 1.25 * off["float32"].median() + 0.005, (name, off)
+        assert off[name].quantile(0.9) <= 1.25 * off["float32"].quantile(0.9) + 0.01, (name, off)
 
 
 @pytest.mark.parametrize("name, message", [
@@ -62,6 +68,13 @@ def test_what_is_not_built_is_refused_by_name(default_model_and_tokenizer, name:
     model, tokenizer = default_model_and_tokenizer
     with pytest.raises(ValueError, match=message):
         Engine(EngineConfig(num_kv_blocks=64, kv_cache_dtype=name), model=model, tokenizer=tokenizer)
+
+
+def test_int8_needs_the_compiled_attention(default_model_and_tokenizer) -> None:
+    model, tokenizer = default_model_and_tokenizer
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 is built for the compiled CPU attention only"):
+        Engine(EngineConfig(num_kv_blocks=64, kv_cache_dtype="int8", attention_backend="torch"), model=model,
+               tokenizer=tokenizer)
 
 
 def test_fp16_under_fp32_needs_the_compiled_attention(default_model_and_tokenizer) -> None:

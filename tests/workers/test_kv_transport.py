@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from kernels import kv_quant
 from workers.protocol.errors import TransferError
 from workers.transport import tcp as tcp_transport
 from workers.transport.base import BlockRun, KVTransport, coalesce_runs
@@ -92,6 +93,23 @@ def test_blocks_arrive_exactly_and_nothing_else_changes(pair):
     assert b.kv_cache[:, :, untouched].abs().sum() == 0
     per_block = SHAPE[0] * 2 * SHAPE[3] * SHAPE[4] * SHAPE[5] * 4
     assert result.num_bytes == len(src) * per_block
+
+
+def test_int8_cache_blocks_arrive_exactly_and_an_fp16_cache_refuses_them(backend):
+    """An int8 cache's rows carry their scales (kernels/kv_quant.py), so its blocks move as any other bytes; a
+    cache of another element type has other block bytes and says so instead of taking them."""
+    a, b, fp16 = make(backend), make(backend), make(backend)
+    try:
+        a.register(kv_quant.quantize_rows(torch.randn(3, 2, 40, 4, 2, 8)))
+        b.register(torch.zeros(3, 2, 40, 4, 2, 8 + kv_quant.SCALE_BYTES, dtype=torch.int8))
+        fp16.register(torch.zeros(3, 2, 40, 4, 2, 8, dtype=torch.float16))
+        a.write_blocks(b.address(), [3, 4, 17], [10, 11, 0], "req-int8", timeout_s=10)
+        assert torch.equal(b.kv_cache[:, :, [10, 11, 0]], a.kv_cache[:, :, [3, 4, 17]])
+        with pytest.raises(TransferError, match="layout mismatch"):
+            a.write_blocks(fp16.address(), [3], [10], "req-fp16", timeout_s=10)
+    finally:
+        for t in (a, b, fp16):
+            t.close()
 
 
 def test_concurrent_transfers(pair):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import kernels
+from kernels import kv_quant
 from kernels.host_math import cdiv
 from workers.engine import kv_sizing
 from workers.engine.block_pool import BlockPool
@@ -118,7 +119,8 @@ class Engine:
                              f"{mcfg.max_position_embeddings} positions")
         backend = kernels.resolve_backend(model.device, config.attention_backend)
         kv_dtype = resolve_kv_cache_dtype(config, model, backend)
-        bytes_per_block = mcfg.kv_bytes_per_token(kv_dtype.itemsize) * config.block_size
+        scale_bytes = kv_quant.SCALE_BYTES if kv_dtype == kv_quant.INT8 else 0
+        bytes_per_block = mcfg.kv_bytes_per_token(kv_dtype.itemsize, scale_bytes) * config.block_size
         size = kv_cache_size(config, bytes_per_block, model.device)
         self.kv_cache_description = kv_sizing.describe(size, config.block_size, bytes_per_block)
         print(f"[tandem] {self.kv_cache_description}", file=sys.stderr, flush=True)

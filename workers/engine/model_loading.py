@@ -15,6 +15,7 @@ from workers.model.tokenizer import Tokenizer
 from workers.protocol.errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # dtype, kv_cache_dtype
+KV_CACHE_DTYPES = {**DTYPES, "int8": torch.int8}  # int8: kernels/kv_quant.py's rows, on the compiled CPU kernel
 
 
 def load_model(config: EngineConfig) -> tuple[LlamaModel | TimingModel, Tokenizer]:
@@ -48,9 +49,17 @@ def resolve_kv_cache_dtype(config: EngineConfig, model: LlamaModel | TimingModel
     compiled_stack = isinstance(model, LlamaModel) and model.decoder_stack is not None
     if config.kv_cache_dtype == "auto":
         return torch.float16 if compiled_stack and attention_backend == "cpu" else model.dtype
-    if config.kv_cache_dtype not in DTYPES:
-        raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(DTYPES)}, got {config.kv_cache_dtype!r}")
-    want = DTYPES[config.kv_cache_dtype]
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(KV_CACHE_DTYPES)}, "
+                         f"got {config.kv_cache_dtype!r}")
+    want = KV_CACHE_DTYPES[config.kv_cache_dtype]
+    if want == torch.int8 and not isinstance(model, TimingModel):
+        head_dim = model.config.head_dim
+        if attention_backend != "cpu" or model.dtype != torch.float32 or head_dim not in cpu_kernel.HEAD_DIMS:
+            raise ValueError(f"kv_cache_dtype int8 is built for the compiled CPU attention only (float32 on CPU, "
+                             f"head_dim one of {cpu_kernel.HEAD_DIMS}); this engine has the {attention_backend} "
+                             f"backend, {str(model.dtype).removeprefix('torch.')} and head_dim {head_dim}")
+        return want
     # The CPU attention kernel reads fp16 rows under fp32 queries; every other path computes in the cache's dtype.
     narrower_ok = attention_backend == "cpu" and model.dtype == torch.float32 and want == torch.float16
     if want != model.dtype and not narrower_ok and not isinstance(model, TimingModel):

@@ -35,9 +35,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V, every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """K and V, every layer: 2 x layers x kv_heads x (head_dim x dtype bytes + scale bytes), where an int8
+        cache's head row carries its scale (``kernels.kv_quant``)."""
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes + scale_bytes)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:

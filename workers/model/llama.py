@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import kv_quant
 from kernels.decoder_stack import DecoderStack
 from kernels.fused_ops import add_rms_norm_, rms_norm, rope_, silu_mul
 from kernels.quant_linear import QuantizedWeight, cat_rows, interleave, linear
@@ -101,18 +102,20 @@ class LlamaModel:
             self.layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One tensor for every layer's K and V: [layers, 2, num_blocks, block_size, KVH, D]; dtype: the
-        model's unless given (``resolve_kv_cache_dtype`` says which others run)."""
+        """One tensor for every layer's K and V: [layers, 2, num_blocks, block_size, KVH, D] (int8: D + 4, each
+        head row's scale after its values); dtype: the model's unless given (``resolve_kv_cache_dtype`` says which
+        others run)."""
         cfg = self.config
-        return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                           device=self.device, dtype=dtype or self.dtype)
+        dtype = dtype or self.dtype
+        return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
+                           kv_quant.head_row(dtype, cfg.head_dim), device=self.device, dtype=dtype)
 
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D]
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, KVH, D] (int8: D + 4)
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [N] rows whose next token is sampled
     ) -> torch.Tensor:  # [N, vocab] float32
