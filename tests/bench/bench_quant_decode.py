@@ -8,7 +8,7 @@ read bandwidth). Measured side by side in one run:
 2. the bytes of weights one step reads, as the GGUF ships them (Q4_1 layers, Q8_0 head) and dequantized
    to fp32, and the floor each sets;
 3. decode-only engine steps (median) at batch 1 and 8, quantized (on each instruction set of the kernels
-   this CPU has: AVX2, and VNNI where it has it; on the default fp16 KV cache and on an fp32 one) and
+   this CPU has: AVX2, and VNNI where it has it; on the default fp16 KV cache, on an fp32 and an int8 one) and
    dense, with fresh random prompts of 100-160 tokens (no prefix shared between requests: caches cold),
    and at batch 8 with prompts of 400-500 tokens (where the KV cache's bytes weigh).
 Targets (issue 20): quantized batch 1 <= 1.3x its floor; a batch-8 step <= 2x a batch-1 step.
@@ -93,13 +93,15 @@ def main() -> None:
     print(f"threads {args.threads}; memory read bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows = {}
     best = "gguf"
-    # (weights, KV cache dtype): the default (GGUF blocks, an fp16 cache), the same on an fp32 cache, dense.
-    for fmt, kv in (("gguf", "auto"), ("gguf", "float32"), ("dense", "auto")):
+    # (weights, KV cache dtype): the default (GGUF blocks, an fp16 cache), the same on an fp32 and an int8
+    # cache, dense.
+    for fmt, kv in (("gguf", "auto"), ("gguf", "float32"), ("gguf", "int8"), ("dense", "auto")):
         log(f"loading the default model ({fmt}, KV cache {kv})")
         engine = Engine(EngineConfig(weight_format=fmt, kv_cache_dtype=kv, num_kv_blocks=1024,
                                      enable_prefix_caching=False))
         nbytes = weight_bytes(engine.model)
-        kv_name = f"fp{engine.runner.kv_cache.element_size() * 8}"
+        kv_dtype = engine.runner.kv_cache.dtype
+        kv_name = "int8" if kv_dtype == torch.int8 else f"fp{kv_dtype.itemsize * 8}"
         decode_step_seconds(engine, 1, 4, rng)  # warm-up: the process meets its shapes
         isas = instruction_sets() if (fmt, kv) == ("gguf", "auto") else [None]
         # Two rounds, the second one kept: the first rows measured in a process ran ~1.6x slower at batch 1
