@@ -19,6 +19,7 @@ from tests.kernels.test_triton_kernels import shuffled_tables
 
 GQA = {1: (4, 4), 3: (9, 3), 8: (8, 1)}  # ratio -> (num_heads, num_kv_heads)
 CASES = list(itertools.product(GQA, cpu_kernel.HEAD_DIMS, [16, 32]))
+QUERY_ROUNDING = 1e-3  # the most the int16 queries of the 512-bit scores may move an output (of ~1) here
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -80,7 +81,9 @@ def test_decode_equals_attention_over_the_dequantized_cache(gqa: int, head_dim: 
     for isa in cpu_kernel.instruction_sets():
         with cpu_kernel.instruction_set(isa):
             got = cpu_kernel.paged_decode_attention(q, kc, vc, tables, lens, scale=scale)
-        assert (got.double() - expected).abs().max().item() < 1e-4, isa
+        # The 512-bit scores round each query head to 15 bits (vpdpwssd): up to ~5e-4 here (head size 256,
+        # queries x3), against ~1e-7 without; quantizing K and V itself costs ~1e-2 (the test below)
+        assert (got.double() - expected).abs().max().item() < QUERY_ROUNDING, isa
 
 
 @pytest.mark.parametrize("seq_lens", [[1000], [37, 1000]])
@@ -96,7 +99,7 @@ def test_split_sequences_read_the_scales_of_their_own_ranges(seq_lens: list[int]
         for n in (1, 2, 4):
             torch.set_num_threads(n)
             got = cpu_kernel.paged_decode_attention(q, kc, vc, tables, lens, scale=0.125)
-            assert (got.double() - expected).abs().max().item() < 1e-4, n
+            assert (got.double() - expected).abs().max().item() < QUERY_ROUNDING, n
     finally:
         torch.set_num_threads(threads)
 
