@@ -138,13 +138,6 @@ at::Tensor to_x8(const at::Tensor& w, int64_t K) {
   return out;
 }
 
-// Up to this many rows of x, the AVX-512 VNNI set multiplies one 8-row group at a time on 256-bit dpbusd
-// (same bits). Measured in the engine's decode step (bundled model, Emerald Rapids, 2 threads; 256-bit /
-// 512-bit pairs): batch 1 4.0 / 5.2 ms, 2: 4.8 / 5.8, 3: 4.8 / 6.0, 4: 5.5 / 6.4, 6: 7.8 / 7.1, 8: 12.0 / 10.6.
-// Alone (bench_quant_matrices.py) they differ far less at batch 1 (2.0 / 2.2 ms); what costs the pairs the
-// rest inside a step was not pinned down (this VM exposes no hardware counters).
-constexpr int64_t kMaxNarrowRows = 4;
-
 template <typename F>
 at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] contiguous fp32");
@@ -160,7 +153,8 @@ at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
   auto* groups_fn = &avx2::x8_groups<kQ4_1>;
   const tandem_cpu::Isa isa = tandem_cpu::isa();
   if (isa == tandem_cpu::Isa::kAvx512Vnni)
-    groups_fn = M <= kMaxNarrowRows ? &avx512_vnni::x8_groups<kQ4_1> : &avx512_vnni::x8_pair_groups<kQ4_1>;
+    groups_fn = M < tandem_cpu::min_rows_for_pairs() ? &avx512_vnni::x8_groups<kQ4_1>  // same bits (cpu_isa.cpp)
+                                                     : &avx512_vnni::x8_pair_groups<kQ4_1>;
   if (isa == tandem_cpu::Isa::kAvxVnni) groups_fn = &avx_vnni::x8_groups<kQ4_1>;
   // Each thread walks its own groups of weight rows; every group meets all of x (M small: x stays in L1/L2).
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) { groups_fn(qx, M, nb, wp, begin, end, yp, N); });

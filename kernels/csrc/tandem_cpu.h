@@ -9,6 +9,8 @@ namespace tandem_cpu {
 // cpu_isa.cpp: the instruction set the kernels use now (the CPU's best unless set_isa narrowed it)
 enum class Isa { kAvx2, kAvxVnni, kAvx512Vnni };
 Isa isa();
+// The fewest rows of x the AVX-512 VNNI set multiplies on 512-bit pairs of groups (fewer: 256-bit dpbusd)
+int64_t min_rows_for_pairs();
 
 // paged_decode_cpu.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

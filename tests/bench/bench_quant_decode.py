@@ -59,6 +59,17 @@ def read_bandwidth() -> float:
     return big.numel() * 4 / statistics.median(times)
 
 
+def cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it (these machines change between sessions)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU of unknown model"
+
+
 def weight_bytes(model: LlamaModel) -> int:
     """Bytes of the matrices one decode step reads (the tied head once; the embedding lookup is a few rows)."""
     def size(w: torch.Tensor | QuantizedWeight) -> int:
@@ -115,7 +126,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
-    print(f"threads {args.threads}; {args.rounds} rounds of {args.steps} steps a batch, rows alternating")
+    print(f"{cpu_model()}; threads {args.threads}; {args.rounds} rounds of {args.steps} steps a batch, rows "
+          f"alternating; avx512_vnni multiplies on 512-bit pairs from {torch.ops.tandem_cpu.min_rows_for_pairs()} "
+          f"rows of x")
     nbytes: dict[str, int] = {}
     rounds: dict[str, list[Round]] = {}
     best = "gguf"
