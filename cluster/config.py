@@ -38,7 +38,7 @@ class ModelSection(_Strict):
     # auto: gguf on CPU in float32 where the kernel builds, else dense.
     weight_format: Literal["auto", "gguf", "dense"] = "auto"
     # The KV cache's element type, one for every pool (a prefill worker's blocks land in a decode worker's
-    # cache as they are); auto: float16 where decode runs the compiled CPU stack over GGUF blocks, else dtype.
+    # cache as they are); auto: int8 where decode runs the compiled CPU stack over GGUF blocks, else dtype.
     # int8: each head row quantized with its own scale (kernels/kv_quant.py), compiled CPU attention only.
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
     max_model_len: int | None = Field(default=2048, ge=16)

@@ -71,8 +71,8 @@ class Launcher:
             raise ConfigError(f"model.path: {e}") from None
         m = self.config.model
         kv_dtype = m.kv_cache_dtype
-        if kv_dtype == "auto":  # each worker decides (fp16 under GGUF weights on CPU): assume the smaller here,
-            kv_dtype = m.dtype if m.weight_format == "dense" else "float16"  # the engine checks again at start
+        if kv_dtype == "auto":  # each worker decides (int8 under GGUF weights on CPU): assume the smaller here,
+            kv_dtype = m.dtype if m.weight_format == "dense" else "int8"  # the engine checks again at start
         itemsize = {"float16": 2, "bfloat16": 2, "int8": 1}.get(kv_dtype, 4)
         scale_bytes = 4 if kv_dtype == "int8" else 0  # an int8 head row's fp32 scale (kernels/kv_quant.py)
         check_kv_budget(self.config, model.kv_bytes_per_token(itemsize, scale_bytes), model.max_position_embeddings)

@@ -1,5 +1,5 @@
 """Decode attention alone (kernels/csrc/paged_decode_cpu.cpp), per instruction set, from memory and from cache,
-over an fp16 cache (the default) and an int8 one (``kv_cache_dtype: int8``).
+over an fp16 cache (``kv_cache_dtype: float16``) and an int8 one (the default under GGUF weights).
 
     .venv/bin/python tests/bench/bench_decode_attention.py [--batch 8] [--contexts 151,450] [--repeats 15]
 

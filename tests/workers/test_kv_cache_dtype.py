@@ -1,6 +1,6 @@
-"""The KV cache's element type (``EngineConfig.kv_cache_dtype``): fp16 by default under GGUF weights on CPU
-(decode attention reads half the bytes), the model's dtype elsewhere, int8 where asked (the compiled CPU
-attention; ~half fp16's bytes again), and what is not built refused by name."""
+"""The KV cache's element type (``EngineConfig.kv_cache_dtype``): int8 by default under GGUF weights on CPU
+(each head row's values and scale: decode attention reads ~half fp16's bytes), the model's dtype elsewhere,
+fp16 or fp32 where asked, and what is not built refused by name."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibo
            "List three colours of the rainbow:", "Once upon a time, in a small village,"]
 
 
-def test_auto_is_fp16_under_gguf_weights_and_the_model_dtype_when_dense(make_engine, quantized_model) -> None:
+def test_auto_is_int8_under_gguf_weights_and_the_model_dtype_when_dense(make_engine, quantized_model) -> None:
     engine = make_engine()
-    assert engine.runner.kv_cache.dtype == torch.float16
+    assert engine.runner.kv_cache.dtype == torch.int8
     assert "blocks of 16" in engine.kv_cache_description
     dense = make_engine(dense=True)
     assert dense.runner.kv_cache.dtype == torch.float32  # the HF-exact path keeps an fp32 cache
     # Same bytes, twice the tokens: the cache is sized in bytes.
-    half = make_engine(num_kv_blocks=None, kv_cache_bytes=64 * 2**20)
+    half = make_engine(num_kv_blocks=None, kv_cache_bytes=64 * 2**20, kv_cache_dtype="float16")
     full = make_engine(num_kv_blocks=None, kv_cache_bytes=64 * 2**20, kv_cache_dtype="float32")
     assert half.block_pool.num_blocks == 2 * full.block_pool.num_blocks
     # int8: a head row of 64 is 64 values and a 4-byte scale, 68 bytes against fp16's 128

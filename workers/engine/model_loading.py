@@ -47,8 +47,8 @@ def resolve_kv_cache_dtype(config: EngineConfig, model: LlamaModel | TimingModel
                            attention_backend: str) -> torch.dtype:
     """The KV cache's element type (see ``EngineConfig.kv_cache_dtype``)."""
     compiled_stack = isinstance(model, LlamaModel) and model.decoder_stack is not None
-    if config.kv_cache_dtype == "auto":
-        return torch.float16 if compiled_stack and attention_backend == "cpu" else model.dtype
+    if config.kv_cache_dtype == "auto":  # int8 where the compiled CPU attention reads it (see EngineConfig)
+        return torch.int8 if compiled_stack and attention_backend == "cpu" else model.dtype
     if config.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(KV_CACHE_DTYPES)}, "
                          f"got {config.kv_cache_dtype!r}")
