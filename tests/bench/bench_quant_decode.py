@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from kernels import cpu_kernel  # noqa: E402
 from kernels.cpu_kernel import instruction_sets  # noqa: E402
 from kernels.quant_linear import QuantizedWeight  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
@@ -126,6 +127,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
+    if not cpu_kernel.available():  # also loads the kernels' ops
+        sys.exit(f"the compiled CPU kernels are unavailable: {cpu_kernel.unavailable_reason()}")
     print(f"{cpu_model()}; threads {args.threads}; {args.rounds} rounds of {args.steps} steps a batch, rows "
           f"alternating; avx512_vnni multiplies on 512-bit pairs from {torch.ops.tandem_cpu.min_rows_for_pairs()} "
           f"rows of x")
