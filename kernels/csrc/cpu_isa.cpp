@@ -41,14 +41,14 @@ Isa g_isa = best_isa();
 // ms, 2: 4.8 / 5.8, 3: 4.8 / 6.0, 4: 5.5 / 6.4, and won from 6: 7.8 / 7.1, 8: 12.0 / 10.6. On an Emerald
 // Rapids Xeon, which runs them at full width, the pairs were faster at every batch (the matrices at M=1
 // 1.11x, M=4 1.21x the 256-bit VNNI loops).
-int64_t first_pair_rows() {
+int64_t detect_min_rows_for_pairs() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__builtin_cpu_is("amd") || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 1;
   const unsigned base = (eax >> 8) & 0xF, family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
   return family == 0x19 ? 5 : 1;
 }
 
-const int64_t g_first_pair_rows = first_pair_rows();
+const int64_t g_min_rows_for_pairs = detect_min_rows_for_pairs();
 
 // Sets the instruction set by name ("best" for this CPU's best); returns the one now in use. Refuses one
 // the CPU lacks.
@@ -74,7 +74,7 @@ namespace tandem_cpu {
 
 Isa isa() { return g_isa; }
 
-int64_t min_rows_for_pairs() { return g_first_pair_rows; }
+int64_t min_rows_for_pairs() { return g_min_rows_for_pairs; }
 
 }  // namespace tandem_cpu
 

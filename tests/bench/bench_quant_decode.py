@@ -129,9 +129,10 @@ def main() -> None:
     rng = random.Random(0)
     if not cpu_kernel.available():  # also loads the kernels' ops
         sys.exit(f"the compiled CPU kernels are unavailable: {cpu_kernel.unavailable_reason()}")
-    print(f"{cpu_model()}; threads {args.threads}; {args.rounds} rounds of {args.steps} steps a batch, rows "
-          f"alternating; avx512_vnni multiplies on 512-bit pairs from {torch.ops.tandem_cpu.min_rows_for_pairs()} "
-          f"rows of x")
+    pairs_from = torch.ops.tandem_cpu.min_rows_for_pairs()
+    print(f"{cpu_model()}; threads {args.threads}; {args.rounds} rounds of {args.steps} steps a batch, the "
+          f"default engine's instruction sets alternating; avx512_vnni multiplies on 512-bit pairs from "
+          f"{pairs_from} rows of x")
     nbytes: dict[str, int] = {}
     rounds: dict[str, list[Round]] = {}
     best = "gguf"
@@ -141,6 +142,7 @@ def main() -> None:
         log(f"loading the default model ({fmt}, KV cache {kv})")
         engine = Engine(EngineConfig(weight_format=fmt, kv_cache_dtype=kv, num_kv_blocks=1024,
                                      enable_prefix_caching=False))
+        model_bytes = weight_bytes(engine.model)
         kv_dtype = engine.runner.kv_cache.dtype
         kv_name = "int8" if kv_dtype == torch.int8 else f"fp{kv_dtype.itemsize * 8}"
         decode_step_seconds(engine, 1, 4, rng)  # warm-up: the process meets its shapes
@@ -156,7 +158,7 @@ def main() -> None:
                 r = measure_round(engine, rng, args.steps)
                 if i == 0:
                     continue
-                nbytes[name] = weight_bytes(engine.model)
+                nbytes[name] = model_bytes
                 rounds.setdefault(name, []).append(r)
                 if isa is not None and isa == isas[-1]:
                     best = name
@@ -169,8 +171,7 @@ def main() -> None:
     print(f"the quantized rows below: {best} (this CPU's best instruction set, the default KV cache)")
     print(f"quantized vs dense: batch 1 {median(d, 'b1') / median(q, 'b1'):.2f}x faster, "
           f"batch 8 {median(d, 'b8') / median(q, 'b8'):.2f}x faster")
-    floor_ratios = sorted(r.b1 * r.bandwidth / nbytes[best] for r in q)
-    b8_ratios = sorted(r.b8 / r.b1 for r in q)
+    floor_ratios, b8_ratios = round_ratios(q, nbytes[best])
     print(f"targets: quantized b1/floor {statistics.median(floor_ratios):.2f} (<= 1.3; rounds "
           f"{floor_ratios[0]:.2f}-{floor_ratios[-1]:.2f}), b8/b1 {statistics.median(b8_ratios):.2f} (<= 2.0; "
           f"rounds {b8_ratios[0]:.2f}-{b8_ratios[-1]:.2f})")
@@ -180,6 +181,11 @@ def median(rounds: list[Round], field: str) -> float:
     return statistics.median(getattr(r, field) for r in rounds)
 
 
+def round_ratios(rounds: list[Round], nbytes: int) -> tuple[list[float], list[float]]:
+    """Each round's own b1/floor and b8/b1, sorted."""
+    return sorted(r.b1 * r.bandwidth / nbytes for r in rounds), sorted(r.b8 / r.b1 for r in rounds)
+
+
 def print_table(nbytes: dict[str, int], rounds: dict[str, list[Round]]) -> None:
     """Medians over the rounds; b1/floor and b8/b1 are medians of each round's own ratio."""
     print(f"{'weights, KV':<25} {'MB/step':>8} {'floor ms':>9} {'b1 ms':>7} {'b1/floor':>9} {'b8 ms':>7} {'b8/b1':>6} "
@@ -187,10 +193,10 @@ def print_table(nbytes: dict[str, int], rounds: dict[str, list[Round]]) -> None:
     for name, rs in rounds.items():
         floor = nbytes[name] / median(rs, "bandwidth")
         b1, b8, b8_long = median(rs, "b1"), median(rs, "b8"), median(rs, "b8_long")
-        b1_floor = statistics.median(r.b1 * r.bandwidth / nbytes[name] for r in rs)
-        b8_b1 = statistics.median(r.b8 / r.b1 for r in rs)
-        print(f"{name:<25} {nbytes[name] / 1e6:8.1f} {floor * 1e3:9.1f} {b1 * 1e3:7.1f} {b1_floor:9.2f} "
-              f"{b8 * 1e3:7.1f} {b8_b1:6.2f} {b8_long * 1e3:11.1f} {1 / b1:9.1f} {8 / b8:9.1f}")
+        floor_ratios, b8_ratios = round_ratios(rs, nbytes[name])
+        print(f"{name:<25} {nbytes[name] / 1e6:8.1f} {floor * 1e3:9.1f} {b1 * 1e3:7.1f} "
+              f"{statistics.median(floor_ratios):9.2f} {b8 * 1e3:7.1f} {statistics.median(b8_ratios):6.2f} "
+              f"{b8_long * 1e3:11.1f} {1 / b1:9.1f} {8 / b8:9.1f}")
 
 
 if __name__ == "__main__":
