@@ -104,6 +104,9 @@ def main() -> None:
         sys.exit(f"the CPU kernels are unavailable: {cpu_kernel.unavailable_reason()}")
     if torch.ops.tandem_cpu.isa() != "avx512_vnni":
         sys.exit(f"this CPU's kernels run {torch.ops.tandem_cpu.isa()}; the floor here is for AVX-512 VNNI")
+    if args.rows < torch.ops.tandem_cpu.min_rows_for_pairs():
+        sys.exit(f"under {torch.ops.tandem_cpu.min_rows_for_pairs()} rows this CPU multiplies on 256-bit loops, "
+                 "which the 512-bit mix measured here does not model")
     threads = torch.get_num_threads()
     rate = mix_rate()
     units = layer_units(args.rows)
