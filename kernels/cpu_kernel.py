@@ -32,7 +32,7 @@ from kernels.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in (
-    "paged_decode_cpu.cpp", "quant_linear_cpu.cpp", "quant_linear_x8_cpu.cpp", "fused_ops_cpu.cpp",
+    "paged_decode_cpu.cpp", "paged_prefill_cpu.cpp", "quant_linear_cpu.cpp", "quant_linear_x8_cpu.cpp", "fused_ops_cpu.cpp",
     "decoder_cpu.cpp", "cpu_isa.cpp")]
 HEADERS = sorted((Path(__file__).resolve().parent / "csrc").glob("*.h"))
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -64,6 +64,15 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     """Shapes as ``torch_decode.paged_decode_attention_torch``; fp32 on CPU."""
     return torch.ops.tandem_cpu.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables.contiguous(),
                                                        seq_lens.contiguous(), scale)
+
+
+def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                            query_start_loc: Tensor, seq_lens: Tensor, *, scale: float) -> Tensor:
+    """Shapes as ``torch_paged.paged_prefill_attention_torch``; fp32 queries on CPU, causal after each
+    sequence's cached tokens (``kernels/csrc/paged_prefill_cpu.cpp``)."""
+    return torch.ops.tandem_cpu.paged_prefill_attention(
+        q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+        query_start_loc.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(), scale)
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

@@ -1,7 +1,7 @@
 """The one entry point for attention: picks a backend per call.
 
 ``backend=None`` means Triton for CUDA tensors; on CPU, the compiled decode kernel (``cpu``: the
-C++ kernels for decode and store_kv, torch for prefill) where it builds, else torch. The Triton
+C++ kernels for decode, prefill and store_kv) where it builds, else torch. The Triton
 backend (``kernels.triton_ops``) is imported on first use, once: a machine where Triton can't load
 still runs the torch path; so does one where the C++ kernel can't be built.
 """
@@ -76,10 +76,14 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
                             max_query_len: int | None = None) -> Tensor:
     """See ``torch_paged.paged_prefill_attention_torch`` for shapes. ``max_query_len``: the longest
     sequence's query length if the caller knows it (saves Triton a GPU-to-host sync)."""
-    if resolve_backend(q.device, backend) == "triton":
+    chosen = resolve_backend(q.device, backend)
+    if chosen == "triton":
         return _triton().paged_prefill_attention(
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale, max_query_len=max_query_len
         )
+    if chosen == "cpu" and cpu_kernel.supports(q, k_cache):
+        return cpu_kernel.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                                  scale=scale)
     return torch_paged.paged_prefill_attention_torch(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale
     )

@@ -1,5 +1,6 @@
-"""Vectorized torch path of paged prefill attention and KV stores: the engine's backend on CPU
-(decode is in ``kernels.torch_decode``).
+"""Vectorized torch path of paged prefill attention and KV stores: the CPU path where the compiled kernels
+(``kernels/csrc/paged_prefill_cpu.cpp``) do not build, and the reference they are tested against (decode is in
+``kernels.torch_decode``).
 
 No Python loop over sequences: K/V are gathered through the block tables for a whole group of
 sequences of similar length (``length_groups``) and one ``scaled_dot_product_attention`` call does

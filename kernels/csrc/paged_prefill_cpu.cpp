@@ -1,0 +1,280 @@
+// Prefill attention on CPU straight from the paged KV cache: causal, each sequence's new queries after its cached
+// tokens, flash-attention style (an online softmax over blocks of 8 keys, nothing of [queries, keys] stored).
+//
+// SDPA over K/V gathered from the cache (kernels/torch_paged.py) ran at ~25-45 GFLOP/s of causal work on two
+// Zen 4 cores: it widens the whole gathered cache, and a prompt after a cached prefix needs an explicit mask,
+// under which it computes every query against every key. Here a work item is (sequence, KV head, 16 queries):
+// the query heads of the KV head share each key block (3 x 16 rows of scores against it), a key block is
+// dequantized once per item straight from the cache (fp32, fp16 or int8 rows), and blocks past the item's last
+// query are never read.
+//
+//   q [T, H, D] fp32 (sequences packed), k_cache/v_cache [num_blocks, block_size, KVH, D] (int8: D + 4),
+//   block_tables [S, M] int32, query_start_loc [S + 1] int32, seq_lens [S] int32, scale  ->  out [T, H, D] fp32
+//
+// Query i of sequence s sits at position seq_len - q_len + i and sees keys at positions <= its own.
+//
+//   one item's scratch, rows r = (head j of the group, query i): row j * kQueries + i
+//     qs [rows, D]    queries x scale          s  [rows, 8]  one key block's scores, then exp(s - m)
+//     kt [D, 8]       the key block transposed  vb [8, D]     the value block
+//     o  [rows, D]    running sum of p v        m, l [rows]   running max and sum of exp(s - m)
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;  // 8 lanes in this (AVX2) build
+constexpr int64_t kKeys = 8;             // keys a block: one __m256 of scores a row
+constexpr int64_t kQueries = 16;         // queries an item
+constexpr int64_t kScaleBytes = 4;       // an int8 head row's fp32 scale, after its D values
+
+template <typename T>
+constexpr int64_t head_row(int64_t d) {
+  return std::is_same_v<T, int8_t> ? d + kScaleBytes : d;
+}
+
+// One cache row of D values as fp32 into dst.
+template <int64_t D, typename T>
+inline void widen_row(const T* row, float* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, row, D * sizeof(float));
+  } else if constexpr (std::is_same_v<T, at::Half>) {
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
+  } else {
+    float scale;
+    std::memcpy(&scale, row + D, sizeof(scale));
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+      _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
+    }
+  }
+}
+
+inline float hmax(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+struct Scratch {
+  std::vector<float> qs, s, kt, vb, o, m, l;
+};
+
+// s[r] = qs[r] . k_t for 8 rows at once (8 accumulators; each d broadcasts 8 queries against one kt row).
+template <int64_t D>
+inline void scores8(const float* qs, const float* kt, float* s) {
+  __m256 acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k = _mm256_loadu_ps(kt + d * kKeys);
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + r * D + d), k, acc[r]);
+  }
+  for (int r = 0; r < 8; ++r) _mm256_storeu_ps(s + r * kKeys, acc[r]);
+}
+
+// o[r] += sum_t p[r, t] v_t for 8 rows at once: 8 independent FMA chains, each key's 8 values loaded once for
+// the 8 rows (one chain a row would wait on the FMA latency at every key).
+template <int64_t D>
+inline void weigh8(const float* p, const float* vb, float* o) {
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_loadu_ps(o + r * D + d);
+    for (int64_t t = 0; t < kKeys; ++t) {
+      const __m256 v = _mm256_loadu_ps(vb + t * D + d);
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * kKeys + t), v, acc[r]);
+    }
+    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(o + r * D + d, acc[r]);
+  }
+}
+
+// One item: queries [i0, i1) of sequence (kp/vp at its block table) for the KV head g's per_kv query heads.
+template <int64_t D, typename T>
+void attend_item(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t block_size,
+                 int64_t row_stride, int64_t g, int64_t num_heads, int64_t per_kv, int64_t q_start, int64_t ctx,
+                 int64_t i0, int64_t i1, float scale, float* out, Scratch& sc) {
+  const int64_t rows = per_kv * kQueries, n = i1 - i0;
+  sc.qs.assign(rows * D, 0.f);
+  sc.o.assign(rows * D, 0.f);
+  sc.s.resize(rows * kKeys);
+  sc.kt.resize(D * kKeys);
+  sc.vb.resize(kKeys * D);
+  sc.m.assign(rows, -std::numeric_limits<float>::infinity());
+  sc.l.assign(rows, 0.f);
+  for (int64_t j = 0; j < per_kv; ++j)
+    for (int64_t i = 0; i < n; ++i) {
+      const float* src = q + ((q_start + i0 + i) * num_heads + g * per_kv + j) * D;
+      float* dst = sc.qs.data() + (j * kQueries + i) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+    }
+  const int64_t last_key = ctx + i1 - 1;  // the item's last query sees keys up to here
+  const int64_t col = g * head_row<T>(D);
+  for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
+    const int64_t nk = std::min<int64_t>(kKeys, last_key + 1 - k0);
+    alignas(32) float row[D];
+    for (int64_t t = 0; t < kKeys; ++t) {
+      if (t < nk) {
+        const int64_t pos = k0 + t;
+        const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+        widen_row<D, T>(k_cache + slot * row_stride + col, row);
+        for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeys + t] = row[d];
+        widen_row<D, T>(v_cache + slot * row_stride + col, sc.vb.data() + t * D);
+      } else {
+        for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeys + t] = 0.f;
+        std::fill_n(sc.vb.data() + t * D, D, 0.f);
+      }
+    }
+    for (int64_t r = 0; r < rows; r += 8) scores8<D>(sc.qs.data() + r * D, sc.kt.data(), sc.s.data() + r * kKeys);
+    // Online softmax: a key past a query's position (or past the block's real keys) weighs nothing.
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t j = 0; j < per_kv; ++j)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = j * kQueries + i;
+        const int64_t sees = std::min<int64_t>(nk, ctx + i0 + i - k0 + 1);  // keys of this block it sees
+        float* sr = sc.s.data() + r * kKeys;
+        if (sees <= 0) {
+          std::fill_n(sr, kKeys, 0.f);
+          continue;
+        }
+        const __m256 visible = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(sees)), _CMP_LT_OQ);
+        const __m256 sv = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                           _mm256_loadu_ps(sr), visible);
+        const float m_new = std::max(sc.m[r], hmax(sv));
+        // Unseen lanes are zeroed after the exp (bitwise), whatever it made of them.
+        const __m256 p = _mm256_and_ps(static_cast<__m256>((Vec(_mm256_loadu_ps(sr)) - Vec(m_new)).exp_u20()), visible);
+        _mm256_storeu_ps(sr, p);
+        if (m_new > sc.m[r]) {
+          const float alpha = std::exp(sc.m[r] - m_new);  // 0 on the first block (m = -inf)
+          sc.l[r] *= alpha;
+          float* o = sc.o.data() + r * D;
+          const __m256 a = _mm256_set1_ps(alpha);
+          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), a));
+          sc.m[r] = m_new;
+        }
+        sc.l[r] += hsum(p);
+      }
+    // o[r] += sum_t p[r, t] v_t (rows i >= n hold unused sums: never written out).
+    for (int64_t r = 0; r < rows; r += 8) weigh8<D>(sc.s.data() + r * kKeys, sc.vb.data(), sc.o.data() + r * D);
+  }
+  for (int64_t j = 0; j < per_kv; ++j)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = j * kQueries + i;
+      const __m256 inv = _mm256_set1_ps(1.f / sc.l[r]);  // l >= 1: the row's largest score adds exp(0)
+      float* dst = out + ((q_start + i0 + i) * num_heads + g * per_kv + j) * D;
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(sc.o.data() + r * D + d), inv));
+    }
+}
+
+template <int64_t D, typename T>
+void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, float scale, at::Tensor& out) {
+  const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1), kv_heads = k_cache.size(2);
+  const int64_t per_kv = num_heads / kv_heads, block_size = k_cache.size(1), row_stride = kv_heads * head_row<T>(D);
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  // Items: (sequence, KV head, 16 queries). A causal item's work grows with its last query's position, so the
+  // threads take them longest first from a shared counter (a static split would give one thread the late ones).
+  struct Item { int64_t s, g, i0, keys; };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[s], "sequence ", s, ": ", q_len, " queries for ", lens[s], " tokens");
+    TORCH_CHECK(lens[s] <= block_tables.size(1) * block_size, "sequence ", s, " is longer than its block table");
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t i0 = 0; i0 < q_len; i0 += kQueries)
+        items.push_back({s, g, i0, lens[s] - q_len + std::min<int64_t>(q_len, i0 + kQueries)});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+    Scratch sc;
+    for (int64_t w = next++; w < num_items; w = next++) {
+      const Item& it = items[w];
+      const int64_t q_len = qsl[it.s + 1] - qsl[it.s];
+      attend_item<D, T>(qp, kp, vp, block_tables.data_ptr<int32_t>() + it.s * block_tables.size(1), block_size,
+                        row_stride, it.g, num_heads, per_kv, qsl[it.s], lens[it.s] - q_len, it.i0,
+                        std::min<int64_t>(q_len, it.i0 + kQueries), scale, op, sc);
+    }
+  });
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                                   const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be fp32");
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kChar),
+              "the caches must both be fp32, both fp16 or both int8");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt, "int32 tables, query starts and lengths only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              block_tables.is_contiguous() && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
+              "contiguous tensors only");
+  TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1 && block_tables.size(0) == seq_lens.numel(),
+              "one block table and length a sequence, one more query start");
+  const int64_t row = cache_type == at::kChar ? q.size(2) + kScaleBytes : q.size(2);
+  TORCH_CHECK(k_cache.size(3) == row && q.size(1) % k_cache.size(2) == 0, "head shapes disagree: rows of ",
+              k_cache.size(3), " for queries of ", q.size(2), cache_type == at::kChar ? " (int8: D + 4)" : "");
+  TORCH_CHECK(seq_lens.numel() == 0 || query_start_loc[-1].item<int32_t>() == q.size(0),
+              "the query starts end at ", query_start_loc[-1].item<int32_t>(), ", not at q's ", q.size(0), " rows");
+  at::Tensor out = at::empty_like(q);
+  const float fscale = static_cast<float>(scale);
+  switch (q.size(2)) {
+#define TANDEM_PREFILL(D)                                                                                     \
+  case D:                                                                                                     \
+    if (cache_type == at::kHalf)                                                                              \
+      prefill<D, at::Half>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, fscale, out);       \
+    else if (cache_type == at::kChar)                                                                         \
+      prefill<D, int8_t>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, fscale, out);         \
+    else                                                                                                      \
+      prefill<D, float>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, fscale, out);          \
+    break;
+    TANDEM_PREFILL(16)
+    TANDEM_PREFILL(32)
+    TANDEM_PREFILL(64)
+    TANDEM_PREFILL(128)
+    TANDEM_PREFILL(256)
+#undef TANDEM_PREFILL
+    default: TORCH_CHECK(false, "head_dim ", q.size(2), " not supported (16, 32, 64, 128, 256)");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
