@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (``kernels/csrc/``: decode attention, quantized linear layers, fused
+"""The compiled CPU kernels (``kernels/csrc/``: decode and prefill attention, quantized linear layers, fused
 elementwise ops, a decode step's whole layer stack): built once per machine with torch's C++ extension
 tooling into the Tandem cache, loaded once per process.
 
@@ -32,8 +32,8 @@ from kernels.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in (
-    "paged_decode_cpu.cpp", "paged_prefill_cpu.cpp", "quant_linear_cpu.cpp", "quant_linear_x8_cpu.cpp", "fused_ops_cpu.cpp",
-    "decoder_cpu.cpp", "cpu_isa.cpp")]
+    "paged_decode_cpu.cpp", "paged_prefill_cpu.cpp", "quant_linear_cpu.cpp", "quant_linear_x8_cpu.cpp",
+    "fused_ops_cpu.cpp", "decoder_cpu.cpp", "cpu_isa.cpp")]
 HEADERS = sorted((Path(__file__).resolve().parent / "csrc").glob("*.h"))
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_HEADS_PER_KV = 16

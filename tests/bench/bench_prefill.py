@@ -1,4 +1,4 @@
-"""Prefill on this CPU: where a prompt's time goes, and prefill attention's causal path beside the masked one.
+"""Prefill on this CPU: where a prompt's time goes, and the compiled prefill attention beside SDPA.
 
     .venv/bin/python tests/bench/bench_prefill.py [--tokens 500] [--prefix 32] [--repeats 5]
 
@@ -8,10 +8,10 @@ running requests' TPOT. Measured side by side in one run:
    of --tokens new tokens after a cached prefix of --prefix tokens (the chat template's system prompt hits
    the prefix cache this way), median ms, split by torch.profiler into the quantized matrices, attention,
    and the rest;
-2. one layer's attention for a whole prompt over the paged cache both ways: SDPA's causal path
-   (``kernels.torch_paged``, what runs for prompts with nothing cached before them) against SDPA with an
-   explicit [queries, keys] mask (what ran before, and still runs after a cached prefix), median of
-   --repeats x 10 calls, and their ratio.
+2. one layer's attention over the paged int8 cache (the default) both ways, for a whole prompt and for the
+   prompt after the cached prefix: the compiled kernel (``kernels/csrc/paged_prefill_cpu.cpp``, what runs)
+   against SDPA over the gathered, widened cache (``kernels.torch_paged``, what ran before; a cached prefix
+   needs an explicit mask there), median of --repeats x 10 calls alternated, and their ratio.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from kernels import cpu_kernel, kv_quant  # noqa: E402
 from kernels.torch_paged import paged_prefill_attention_torch  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
@@ -38,7 +38,7 @@ from workers.protocol.sampling_params import SamplingParams  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the bundled model's attention
 GROUPS = {"matrices": ("tandem_cpu::q4_1x8_linear", "tandem_cpu::q8_0x8_linear"),
-          "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+          "attention": ("tandem_cpu::paged_prefill_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                         "aten::_scaled_dot_product_attention_math")}
 
 
@@ -64,45 +64,34 @@ def split_ms(engine: Engine, prompts: list[list[int]]) -> dict[str, float]:
     return out
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The path before: a whole prompt's queries against its keys under an explicit causal mask."""
-    n = q.shape[0]
-    k_pos = torch.arange(k.shape[2])
-    mask = (k_pos <= torch.arange(n).unsqueeze(1)) & (k_pos < n)
-    return F.scaled_dot_product_attention(q.unsqueeze(0).transpose(1, 2), k, v, attn_mask=mask[None, None],
-                                          scale=scale, enable_gqa=True).transpose(1, 2)[0]
-
-
-def attention_ab(tokens: int, repeats: int) -> tuple[float, float]:
-    """ms a layer for a whole prompt: (SDPA's causal path, explicit mask), same cache and queries."""
-    blocks = (tokens + BLOCK - 1) // BLOCK
+def attention_ab(tokens: int, prefix: int, repeats: int) -> tuple[float, float]:
+    """ms a layer for ``tokens`` new queries after ``prefix`` cached tokens: (compiled kernel, SDPA path)."""
+    seq_len = prefix + tokens
+    blocks = (seq_len + BLOCK - 1) // BLOCK
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(blocks * 4, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).half()
-    v_cache = torch.randn(blocks * 4, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).half()
+    k_cache = kv_quant.quantize_rows(torch.randn(blocks * 4, BLOCK, KV_HEADS, HEAD_DIM, generator=gen))
+    v_cache = kv_quant.quantize_rows(torch.randn(blocks * 4, BLOCK, KV_HEADS, HEAD_DIM, generator=gen))
     table = torch.randperm(blocks * 4, generator=gen)[:blocks].int().unsqueeze(0)
     q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen)
     qsl = torch.tensor([0, tokens], dtype=torch.int32)
-    lens = torch.tensor([tokens], dtype=torch.int32)
+    lens = torch.tensor([seq_len], dtype=torch.int32)
     scale = HEAD_DIM ** -0.5
 
-    def ours() -> torch.Tensor:
+    def compiled() -> torch.Tensor:
+        return cpu_kernel.paged_prefill_attention(q, k_cache, v_cache, table, qsl, lens, scale=scale)
+
+    def sdpa() -> torch.Tensor:
         return paged_prefill_attention_torch(q, k_cache, v_cache, table, qsl, lens, scale=scale)
 
-    def before() -> torch.Tensor:  # the same gather and widening, then the mask
-        ids = table[0].long()
-        k = k_cache[ids].reshape(1, -1, KV_HEADS, HEAD_DIM).transpose(1, 2).float()
-        v = v_cache[ids].reshape(1, -1, KV_HEADS, HEAD_DIM).transpose(1, 2).float()
-        return masked_attention(q, k, v, scale)
-
-    assert (ours() - before()).abs().max().item() < 1e-4, "the two paths disagree"
-    times: dict[str, list[float]] = {"ours": [], "before": []}
+    assert (compiled() - sdpa()).abs().max().item() < 1e-4, "the two paths disagree"
+    times: dict[str, list[float]] = {"compiled": [], "sdpa": []}
     for _ in range(repeats):
-        for name, fn in (("ours", ours), ("before", before)):  # alternated: the machine's drift hits both
+        for name, fn in (("compiled", compiled), ("sdpa", sdpa)):  # alternated: the machine's drift hits both
             t0 = time.perf_counter()
             for _ in range(10):
                 fn()
             times[name].append((time.perf_counter() - t0) * 100)
-    return statistics.median(times["ours"]), statistics.median(times["before"])
+    return statistics.median(times["compiled"]), statistics.median(times["sdpa"])
 
 
 def main() -> None:
@@ -118,7 +107,7 @@ def main() -> None:
     def fresh(n: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(n)]
 
-    engine = Engine(EngineConfig(num_kv_blocks=1024))  # the default engine: quantized weights, fp16 cache
+    engine = Engine(EngineConfig(num_kv_blocks=1024))  # the default engine: quantized weights, int8 cache
     prefill_ms(engine, fresh(args.tokens))  # warm-up: the process meets its shapes
     system = fresh(args.prefix)
     prefill_ms(engine, system)  # now cached (whole blocks of it)
@@ -130,9 +119,11 @@ def main() -> None:
         parts = split_ms(engine, [make() for _ in range(2)])
         rest = total - sum(parts.values())
         print(f"{name:<28} {total:9.1f} {parts['matrices']:9.1f} {parts['attention']:10.1f} {rest:7.1f}")
-    ours, before = attention_ab(args.tokens, args.repeats)
-    print(f"one layer's attention for a whole {args.tokens}-token prompt, ms ({args.repeats} x 10 calls, alternated): "
-          f"causal path {ours:.2f}, explicit mask {before:.2f}, {before / ours:.2f}x")
+    print(f"one layer's attention over the int8 cache, ms ({args.repeats} x 10 calls, alternated):")
+    for prefix in (0, args.prefix):
+        compiled, sdpa = attention_ab(args.tokens, prefix, args.repeats)
+        print(f"  {args.tokens} new after {prefix} cached: compiled {compiled:.2f}, SDPA {sdpa:.2f}, "
+              f"{sdpa / compiled:.2f}x")
 
 
 if __name__ == "__main__":
