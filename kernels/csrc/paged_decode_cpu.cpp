@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "head_dispatch.h"
 #include "tandem_cpu.h"
 
 namespace {
@@ -45,7 +46,7 @@ struct Shape {
   int64_t num_heads, kv_heads, per_kv, block_size, max_blocks, row_stride, head_stride;  // strides in elements
 };
 
-constexpr int64_t kScaleBytes = 4;  // an int8 head row's fp32 scale, after its D values
+constexpr int64_t kScaleBytes = tandem_cpu::kInt8RowScaleBytes;  // after a head row's D values
 
 // The scale of the int8 head row starting at `row` (unaligned: rows are D + 4 bytes).
 template <int64_t D>
@@ -337,36 +338,16 @@ namespace tandem_cpu {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be fp32");
+  tandem_cpu::check_attention_inputs(q, k_cache, v_cache);
   const at::ScalarType cache_type = k_cache.scalar_type();
-  TORCH_CHECK(v_cache.scalar_type() == cache_type &&
-                  (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kChar),
-              "the caches must both be fp32, both fp16 or both int8");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous tensors only");
-  const int64_t row = cache_type == at::kChar ? q.size(2) + kScaleBytes : q.size(2);
-  TORCH_CHECK(k_cache.size(3) == row && q.size(1) % k_cache.size(2) == 0, "head shapes disagree: rows of ",
-              k_cache.size(3), " for queries of ", q.size(2), cache_type == at::kChar ? " (int8: D + 4)" : "");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous tensors only");
   TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxHeadsPerKV, "too many query heads per KV head");
   at::Tensor out = at::empty_like(q);
   const float fscale = static_cast<float>(scale);
-  switch (q.size(2)) {  // the head size is a compile-time constant, so a row's vectors live in registers
-#define TANDEM_ATTEND(D)                                                                                       \
-  case D:                                                                                                      \
-    if (cache_type == at::kHalf) attend<D, at::Half>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);   \
-    else if (cache_type == at::kChar) attend<D, int8_t>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out); \
-    else attend<D, float>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);                           \
-    break;
-    TANDEM_ATTEND(16)
-    TANDEM_ATTEND(32)
-    TANDEM_ATTEND(64)
-    TANDEM_ATTEND(128)
-    TANDEM_ATTEND(256)
-#undef TANDEM_ATTEND
-    default: TORCH_CHECK(false, "head_dim ", q.size(2), " not supported (16, 32, 64, 128, 256)");
-  }
+  tandem_cpu::with_head_and_cache(q.size(2), cache_type, [&](auto d, auto t) {
+    attend<decltype(d)::value, decltype(t)>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);
+  });
   return out;
 }
 

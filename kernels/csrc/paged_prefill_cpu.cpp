@@ -13,10 +13,11 @@
 //
 // Query i of sequence s sits at position seq_len - q_len + i and sees keys at positions <= its own.
 //
-//   one item's scratch, rows r = (head j of the group, query i): row j * kQueries + i
-//     qs [rows, D]    queries x scale          s  [rows, 8]  one key block's scores, then exp(s - m)
-//     kt [D, 8]       the key block transposed  vb [8, D]     the value block
-//     o  [rows, D]    running sum of p v        m, l [rows]   running max and sum of exp(s - m)
+//   one item's scratch; a row r = (head j of the group, query i) is r = j * kQueries + i, and rows go 8 to a group
+//     qt [groups, D, 8]   queries x scale, transposed: a group's 8 rows are the lanes of every vector
+//     kb, vb [8, D]       a block's keys and values, widened to fp32
+//     p  [groups, 8, 8]   exp(s - m) of the block, key-major (lanes: rows)
+//     o  [rows, D]        running sum of p v;   m, l [rows]: running max and sum of exp(s - m)
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -36,12 +37,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "head_dispatch.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;  // 8 lanes in this (AVX2) build
-constexpr int64_t kKeys = 8;             // keys a block: one __m256 of scores a row
+constexpr int64_t kKeys = 8;             // keys a block
 constexpr int64_t kQueries = 16;         // queries an item
-constexpr int64_t kScaleBytes = 4;       // an int8 head row's fp32 scale, after its D values
+constexpr int64_t kScaleBytes = tandem_cpu::kInt8RowScaleBytes;
 
 template <typename T>
 constexpr int64_t head_row(int64_t d) {
@@ -67,35 +70,22 @@ inline void widen_row(const T* row, float* dst) {
   }
 }
 
-inline float hmax(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
-inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 struct Scratch {
-  std::vector<float> qs, s, kt, vb, o, m, l;
+  std::vector<float> qt, kb, vb, p, o, m, l;
 };
 
-// s[r] = qs[r] . k_t for 8 rows at once (8 accumulators; each d broadcasts 8 queries against one kt row).
+// Scores of 8 rows against a block's 8 keys, rows in lanes: s[t] = sum_d qt[d] k_t[d] (8 accumulators, one a key;
+// each d loads the 8 rows' query values once and broadcasts each key's).
 template <int64_t D>
-inline void scores8(const float* qs, const float* kt, float* s) {
-  __m256 acc[8];
-  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+inline void scores8(const float* qt, const float* kb, __m256 (&s)[kKeys]) {
+  for (int64_t t = 0; t < kKeys; ++t) s[t] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
-    const __m256 k = _mm256_loadu_ps(kt + d * kKeys);
-    for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + r * D + d), k, acc[r]);
+    const __m256 q = _mm256_loadu_ps(qt + d * 8);
+    for (int64_t t = 0; t < kKeys; ++t) s[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(kb + t * D + d), q, s[t]);
   }
-  for (int r = 0; r < 8; ++r) _mm256_storeu_ps(s + r * kKeys, acc[r]);
 }
 
-// o[r] += sum_t p[r, t] v_t for 8 rows at once: 8 independent FMA chains, each key's 8 values loaded once for
+// o[r] += sum_t p[t][r] v_t for 8 rows at once: 8 independent FMA chains, each key's 8 values loaded once for
 // the 8 rows (one chain a row would wait on the FMA latency at every key).
 template <int64_t D>
 inline void weigh8(const float* p, const float* vb, float* o) {
@@ -104,79 +94,94 @@ inline void weigh8(const float* p, const float* vb, float* o) {
     for (int r = 0; r < 8; ++r) acc[r] = _mm256_loadu_ps(o + r * D + d);
     for (int64_t t = 0; t < kKeys; ++t) {
       const __m256 v = _mm256_loadu_ps(vb + t * D + d);
-      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * kKeys + t), v, acc[r]);
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t * 8 + r), v, acc[r]);
     }
     for (int r = 0; r < 8; ++r) _mm256_storeu_ps(o + r * D + d, acc[r]);
   }
 }
 
-// One item: queries [i0, i1) of sequence (kp/vp at its block table) for the KV head g's per_kv query heads.
+// One item: queries [i0, i1) of a sequence (its block table at `table`, `ctx` tokens before its first query) for
+// the KV head g's per_kv query heads. Rows go 8 to a group (lanes of the scores and of the softmax state); a
+// group's rows are one head's queries i0 + 8h .. i0 + 8h + 7 (rows past i1 compute and are never written).
 template <int64_t D, typename T>
 void attend_item(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t block_size,
                  int64_t row_stride, int64_t g, int64_t num_heads, int64_t per_kv, int64_t q_start, int64_t ctx,
                  int64_t i0, int64_t i1, float scale, float* out, Scratch& sc) {
-  const int64_t rows = per_kv * kQueries, n = i1 - i0;
-  sc.qs.assign(rows * D, 0.f);
+  constexpr int64_t kGroupsPerHead = kQueries / 8;
+  const int64_t rows = per_kv * kQueries, groups = rows / 8, n = i1 - i0;
+  const int64_t last_key = ctx + i1 - 1;  // the item's last query sees keys up to here
+  sc.qt.assign(rows * D, 0.f);
   sc.o.assign(rows * D, 0.f);
-  sc.s.resize(rows * kKeys);
-  sc.kt.resize(D * kKeys);
+  sc.p.resize(groups * kKeys * 8);
+  sc.kb.resize(kKeys * D);
   sc.vb.resize(kKeys * D);
-  sc.m.assign(rows, -std::numeric_limits<float>::infinity());
+  sc.m.assign(rows, -1e30f);  // finite: exp(m_old - m_new) is then 0, not NaN, at the first block
   sc.l.assign(rows, 0.f);
   for (int64_t j = 0; j < per_kv; ++j)
     for (int64_t i = 0; i < n; ++i) {
       const float* src = q + ((q_start + i0 + i) * num_heads + g * per_kv + j) * D;
-      float* dst = sc.qs.data() + (j * kQueries + i) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+      const int64_t r = j * kQueries + i;
+      float* dst = sc.qt.data() + (r / 8) * D * 8 + r % 8;  // [group][d][lane]
+      for (int64_t d = 0; d < D; ++d) dst[d * 8] = src[d] * scale;
     }
-  const int64_t last_key = ctx + i1 - 1;  // the item's last query sees keys up to here
   const int64_t col = g * head_row<T>(D);
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
     const int64_t nk = std::min<int64_t>(kKeys, last_key + 1 - k0);
-    alignas(32) float row[D];
     for (int64_t t = 0; t < kKeys; ++t) {
       if (t < nk) {
         const int64_t pos = k0 + t;
         const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        widen_row<D, T>(k_cache + slot * row_stride + col, row);
-        for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeys + t] = row[d];
+        widen_row<D, T>(k_cache + slot * row_stride + col, sc.kb.data() + t * D);
         widen_row<D, T>(v_cache + slot * row_stride + col, sc.vb.data() + t * D);
       } else {
-        for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeys + t] = 0.f;
+        std::fill_n(sc.kb.data() + t * D, D, 0.f);
         std::fill_n(sc.vb.data() + t * D, D, 0.f);
       }
     }
-    for (int64_t r = 0; r < rows; r += 8) scores8<D>(sc.qs.data() + r * D, sc.kt.data(), sc.s.data() + r * kKeys);
-    // Online softmax: a key past a query's position (or past the block's real keys) weighs nothing.
-    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int64_t j = 0; j < per_kv; ++j)
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t r = j * kQueries + i;
-        const int64_t sees = std::min<int64_t>(nk, ctx + i0 + i - k0 + 1);  // keys of this block it sees
-        float* sr = sc.s.data() + r * kKeys;
-        if (sees <= 0) {
-          std::fill_n(sr, kKeys, 0.f);
-          continue;
-        }
-        const __m256 visible = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(sees)), _CMP_LT_OQ);
-        const __m256 sv = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
-                                           _mm256_loadu_ps(sr), visible);
-        const float m_new = std::max(sc.m[r], hmax(sv));
-        // Unseen lanes are zeroed after the exp (bitwise), whatever it made of them.
-        const __m256 p = _mm256_and_ps(static_cast<__m256>((Vec(_mm256_loadu_ps(sr)) - Vec(m_new)).exp_u20()), visible);
-        _mm256_storeu_ps(sr, p);
-        if (m_new > sc.m[r]) {
-          const float alpha = std::exp(sc.m[r] - m_new);  // 0 on the first block (m = -inf)
-          sc.l[r] *= alpha;
-          float* o = sc.o.data() + r * D;
-          const __m256 a = _mm256_set1_ps(alpha);
-          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), a));
-          sc.m[r] = m_new;
-        }
-        sc.l[r] += hsum(p);
+    for (int64_t grp = 0; grp < groups; ++grp) {
+      __m256 s[kKeys];
+      scores8<D>(sc.qt.data() + grp * D * 8, sc.kb.data(), s);
+      // Each lane's query position; a row past the item's queries sees every key of the item (harmless, unused).
+      const int64_t first = ctx + i0 + (grp % kGroupsPerHead) * 8;
+      const __m256 pos = _mm256_min_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(first)), lane),
+                                       _mm256_set1_ps(static_cast<float>(last_key)));
+      __m256 seen[kKeys];
+      __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < kKeys; ++t) {
+        const float key = static_cast<float>(t < nk ? k0 + t : last_key + 1);  // padding keys: seen by none
+        seen[t] = _mm256_cmp_ps(_mm256_set1_ps(key), pos, _CMP_LE_OQ);
+        top = _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), s[t],
+                                                  seen[t]));
       }
-    // o[r] += sum_t p[r, t] v_t (rows i >= n hold unused sums: never written out).
-    for (int64_t r = 0; r < rows; r += 8) weigh8<D>(sc.s.data() + r * kKeys, sc.vb.data(), sc.o.data() + r * D);
+      float* m = sc.m.data() + grp * 8;
+      const __m256 m_old = _mm256_loadu_ps(m), m_new = _mm256_max_ps(m_old, top);
+      const __m256 rose = _mm256_cmp_ps(m_new, m_old, _CMP_GT_OQ);  // alpha exactly 1 where the max stayed
+      const __m256 alpha = _mm256_blendv_ps(_mm256_set1_ps(1.f),
+                                            static_cast<__m256>((Vec(m_old) - Vec(m_new)).exp_u20()), rose);
+      __m256 sum = _mm256_setzero_ps();
+      float* p = sc.p.data() + grp * kKeys * 8;
+      for (int64_t t = 0; t < kKeys; ++t) {  // unseen lanes zeroed after the exp (bitwise), whatever it made
+        const __m256 e = _mm256_and_ps(static_cast<__m256>((Vec(s[t]) - Vec(m_new)).exp_u20()), seen[t]);
+        _mm256_storeu_ps(p + t * 8, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      float* l = sc.l.data() + grp * 8;
+      _mm256_storeu_ps(l, _mm256_fmadd_ps(_mm256_loadu_ps(l), alpha, sum));
+      _mm256_storeu_ps(m, m_new);
+      // Rows whose max rose scale what they hold by alpha before this block adds to it.
+      if (_mm256_movemask_ps(rose) != 0) {
+        alignas(32) float a[8];
+        _mm256_store_ps(a, alpha);
+        for (int r = 0; r < 8; ++r) {
+          if (a[r] == 1.f) continue;
+          float* o = sc.o.data() + (grp * 8 + r) * D;
+          const __m256 ar = _mm256_set1_ps(a[r]);
+          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), ar));
+        }
+      }
+      weigh8<D>(p, sc.vb.data(), sc.o.data() + grp * 8 * D);
+    }
   }
   for (int64_t j = 0; j < per_kv; ++j)
     for (int64_t i = 0; i < n; ++i) {
@@ -229,44 +234,22 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                    const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be fp32");
+  tandem_cpu::check_attention_inputs(q, k_cache, v_cache);
   const at::ScalarType cache_type = k_cache.scalar_type();
-  TORCH_CHECK(v_cache.scalar_type() == cache_type &&
-                  (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kChar),
-              "the caches must both be fp32, both fp16 or both int8");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt, "int32 tables, query starts and lengths only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              block_tables.is_contiguous() && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
+  TORCH_CHECK(block_tables.is_contiguous() && query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
               "contiguous tensors only");
   TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1 && block_tables.size(0) == seq_lens.numel(),
               "one block table and length a sequence, one more query start");
-  const int64_t row = cache_type == at::kChar ? q.size(2) + kScaleBytes : q.size(2);
-  TORCH_CHECK(k_cache.size(3) == row && q.size(1) % k_cache.size(2) == 0, "head shapes disagree: rows of ",
-              k_cache.size(3), " for queries of ", q.size(2), cache_type == at::kChar ? " (int8: D + 4)" : "");
   TORCH_CHECK(seq_lens.numel() == 0 || query_start_loc[-1].item<int32_t>() == q.size(0),
               "the query starts end at ", query_start_loc[-1].item<int32_t>(), ", not at q's ", q.size(0), " rows");
   at::Tensor out = at::empty_like(q);
   const float fscale = static_cast<float>(scale);
-  switch (q.size(2)) {
-#define TANDEM_PREFILL(D)                                                                                     \
-  case D:                                                                                                     \
-    if (cache_type == at::kHalf)                                                                              \
-      prefill<D, at::Half>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, fscale, out);       \
-    else if (cache_type == at::kChar)                                                                         \
-      prefill<D, int8_t>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, fscale, out);         \
-    else                                                                                                      \
-      prefill<D, float>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, fscale, out);          \
-    break;
-    TANDEM_PREFILL(16)
-    TANDEM_PREFILL(32)
-    TANDEM_PREFILL(64)
-    TANDEM_PREFILL(128)
-    TANDEM_PREFILL(256)
-#undef TANDEM_PREFILL
-    default: TORCH_CHECK(false, "head_dim ", q.size(2), " not supported (16, 32, 64, 128, 256)");
-  }
+  tandem_cpu::with_head_and_cache(q.size(2), cache_type, [&](auto d, auto t) {
+    prefill<decltype(d)::value, decltype(t)>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, fscale,
+                                             out);
+  });
   return out;
 }
 
