@@ -14,6 +14,12 @@ namespace tandem_cpu {
 
 constexpr int64_t kInt8RowScaleBytes = 4;  // an int8 cache's head row: D values, then their fp32 scale
 
+// Elements of a cache's head row of D values: D, or D values and their scale for int8.
+template <typename T>
+constexpr int64_t head_row(int64_t d) {
+  return std::is_same_v<T, int8_t> ? d + kInt8RowScaleBytes : d;
+}
+
 // q [T, H, D] fp32 against caches [num_blocks, block_size, KVH, D] (int8: D + 4) of one dtype, contiguous.
 inline void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");

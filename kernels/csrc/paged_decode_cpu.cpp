@@ -56,11 +56,7 @@ inline float row_scale(const int8_t* row) {
   return scale;
 }
 
-// Elements of a cache's head row: D, or D values and a scale for int8.
-template <typename T>
-constexpr int64_t head_row(int64_t d) {
-  return std::is_same_v<T, int8_t> ? d + kScaleBytes : d;
-}
+using tandem_cpu::head_row;
 
 // The 8 horizontal sums of a[0..7], as one vector (lane t = sum of a[t]).
 inline __m256 sum8(const __m256* a) {

@@ -44,12 +44,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;  // 8 lanes in this (AVX2) build
 constexpr int64_t kKeys = 8;             // keys a block
 constexpr int64_t kQueries = 16;         // queries an item
-constexpr int64_t kScaleBytes = tandem_cpu::kInt8RowScaleBytes;
-
-template <typename T>
-constexpr int64_t head_row(int64_t d) {
-  return std::is_same_v<T, int8_t> ? d + kScaleBytes : d;
-}
+using tandem_cpu::head_row;
 
 // One cache row of D values as fp32 into dst.
 template <int64_t D, typename T>
@@ -242,8 +237,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
               "contiguous tensors only");
   TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1 && block_tables.size(0) == seq_lens.numel(),
               "one block table and length a sequence, one more query start");
-  TORCH_CHECK(seq_lens.numel() == 0 || query_start_loc[-1].item<int32_t>() == q.size(0),
-              "the query starts end at ", query_start_loc[-1].item<int32_t>(), ", not at q's ", q.size(0), " rows");
+  const int32_t queries_end = query_start_loc.data_ptr<int32_t>()[seq_lens.numel()];
+  TORCH_CHECK(seq_lens.numel() == 0 || queries_end == q.size(0), "the query starts end at ", queries_end,
+              ", not at q's ", q.size(0), " rows");
   at::Tensor out = at::empty_like(q);
   const float fscale = static_cast<float>(scale);
   tandem_cpu::with_head_and_cache(q.size(2), cache_type, [&](auto d, auto t) {

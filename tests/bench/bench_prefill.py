@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if not cpu_kernel.available():
+        sys.exit(f"the compiled CPU kernels are unavailable: {cpu_kernel.unavailable_reason()}")
     rng = random.Random(0)
 
     def fresh(n: int) -> list[int]:
