@@ -4,9 +4,11 @@ Reference: ``kernels.reference.paged_decode_attention_ref``.
 
 Phase 1, grid (seq, kv_head, split): the program loads its KV head's K/V tiles once for the whole
 query-head group (GQA) and runs an online softmax over its slice of the sequence, writing a
-normalized partial output and its log-sum-exp. Phase 2, grid (seq, head): merges the splits.
+normalized partial output and its log-sum-exp. Phase 2, grid (seq, head): merges the splits. Each
+sequence divides its own length among the splits, in whole tiles of BLOCK_N:
 
-    sequence of 100 tokens, 2 splits of 64:   split 0: tokens 0..63   split 1: tokens 64..99
+    sequence of 100 tokens, 2 splits:   split 0: tokens 0..63   split 1: tokens 64..99
+    sequence of 20 tokens, 2 splits:    split 0: tokens 0..19   split 1: none (lse -inf, weight 0)
     out = sum_s 2^(lse_s - LSE) * out_s,     LSE = log2 sum_s 2^lse_s   (base 2: see triton_tiles)
 
 Key positions in a tile map to cache rows through the block table (block_size 16):
@@ -36,7 +38,6 @@ def _decode_split_kernel(
     part_out_ptr,  # [B, H, S, D] float32, each split's normalized output
     part_lse_ptr,  # [B, H, S] float32, each split's log2-sum-exp2 (-inf if empty)
     scale,  # softmax scale times log2(e)
-    tokens_per_split,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -54,6 +55,9 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Each sequence cuts its own length into the splits (whole tiles each): the launch needs no length
+    # from the host, so a wide block table (a CUDA graph's) costs no parallelism.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -138,18 +142,17 @@ def paged_decode_attention(
     assert head_dim == next_power_of_2(head_dim) and head_dim >= 16, "head_dim must be a power of 2 >= 16"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     group = num_heads // num_kv_heads
-    # The block table's width bounds every sequence: no host sync on seq_lens.
+    # The block table's width bounds every sequence: no host sync on seq_lens. A split past a short
+    # sequence's end finds no tokens (its log-sum-exp is -inf and the merge gives it no weight).
     max_tokens = block_tables.shape[1] * block_size
     splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, max_tokens, q.device, block_n)
-    tokens_per_split = cdiv(cdiv(max_tokens, splits), block_n) * block_n
-    splits = cdiv(max_tokens, tokens_per_split)
     part_out = torch.empty(num_seqs, num_heads, splits, head_dim, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(num_seqs, num_heads, splits, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale * LOG2E, tokens_per_split,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_SPLITS=splits, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),

@@ -53,6 +53,25 @@ def test_decode(dtype, gqa, head_dim, block_size):
     check(got, paged_decode_attention_ref(q, kc, vc, bt, sl, scale=head_dim**-0.5), dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_splits_each_sequence_itself_under_a_wide_table(num_splits):
+    """A block table far wider than its sequences (as a CUDA graph's, sized for max_model_len) and more
+    splits than a short sequence has tiles: each sequence cuts its own length, empty splits weigh nothing."""
+    block_size, num_blocks = 16, 96
+    seq_lens = [1, 5, 16, 33, 100, 250]
+    kc, vc = make_cache(num_blocks, block_size, 2, 64, torch.float32, seed=2)
+    narrow = shuffled_tables(seq_lens, block_size, num_blocks, seed=2)
+    wide = torch.zeros(len(seq_lens), 64, dtype=torch.int32, device=DEVICE)
+    wide[:, : narrow.shape[1]] = narrow
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), 6, 64).to(DEVICE)
+    expected = paged_decode_attention_ref(q, kc, vc, narrow, sl, scale=0.125)
+    from kernels.triton_decode import paged_decode_attention as triton_decode
+
+    got = triton_decode(q, kc, vc, wide, sl, scale=0.125, num_splits=num_splits)
+    check(got, expected, torch.float32)
+
+
 @pytest.mark.parametrize("dtype, gqa, head_dim, block_size", CASES, ids=IDS)
 def test_prefill(dtype, gqa, head_dim, block_size):
     num_heads, num_kv_heads = GQA[gqa]
@@ -80,6 +99,44 @@ def test_store_kv_skips_padding(dtype):
     store_kv(k, v, kc, vc, slots, backend="triton")
     store_kv_ref(k, v, kc_ref, vc_ref, slots)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_and_store_replay_from_a_cuda_graph():
+    """Captured once over static buffers, replayed with new queries, lengths and tables: each replay gives
+    what the reference gives for that replay's inputs."""
+    block_size, num_blocks, width = 16, 128, 32
+    kc, vc = make_cache(num_blocks, block_size, 2, 64, torch.float16, seed=3)
+    q = torch.zeros(4, 6, 64, device=DEVICE, dtype=torch.float16)
+    k_new = torch.zeros(4, 2, 64, device=DEVICE, dtype=torch.float16)
+    slots = torch.full((4,), -1, device=DEVICE, dtype=torch.int32)
+    tables = torch.zeros(4, width, device=DEVICE, dtype=torch.int32)
+    seq_lens = torch.ones(4, device=DEVICE, dtype=torch.int32)
+
+    def step() -> torch.Tensor:
+        store_kv(k_new, k_new, kc, vc, slots, backend="triton")
+        return paged_decode_attention(q, kc, vc, tables, seq_lens, scale=0.125, backend="triton")
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed, lens in enumerate([[1, 17, 40, 200], [300, 2, 16, 33]]):
+        g = torch.Generator().manual_seed(seed)
+        q.copy_(torch.randn(4, 6, 64, generator=g))
+        k_new.copy_(torch.randn(4, 2, 64, generator=g))
+        tables.copy_(torch.randperm(num_blocks, generator=g)[: 4 * width].view(4, width))
+        seq_lens.copy_(torch.tensor(lens))
+        slots.copy_(tables[torch.arange(4, device=DEVICE), (seq_lens - 1) // block_size] * block_size
+                    + (seq_lens - 1) % block_size)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        store_kv_ref(k_new, k_new, kc_ref, vc_ref, slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+        check(out, paged_decode_attention_ref(q, kc, vc, tables, seq_lens, scale=0.125), torch.float16)
 
 
 def test_cache_beyond_65536_blocks():
