@@ -24,7 +24,7 @@ BACKENDS = ("torch", "triton", "cpu")
 def resolve_backend(device: torch.device, backend: str | None) -> str:
     if backend is None:
         if device.type == "cuda":
-            return "triton" if _triton_ops() is not None else "torch"
+            return "triton" if triton_ops() is not None else "torch"
         return "cpu" if device.type == "cpu" and cpu_kernel.available() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
@@ -34,7 +34,7 @@ def resolve_backend(device: torch.device, backend: str | None) -> str:
         if not cpu_kernel.available():
             raise ValueError(f"attention backend 'cpu' is not available: {cpu_kernel.unavailable_reason()}")
     if backend == "triton":
-        if _triton_ops() is None:
+        if triton_ops() is None:
             raise ValueError("attention backend 'triton' is not available: Triton kernels failed to import")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention backend 'triton' runs CPU tensors only under TRITON_INTERPRET=1")
@@ -42,7 +42,7 @@ def resolve_backend(device: torch.device, backend: str | None) -> str:
 
 
 @functools.cache  # one import attempt per process, not one per attention call
-def _triton_ops() -> ModuleType | None:
+def triton_ops() -> ModuleType | None:
     try:
         return importlib.import_module("kernels.triton_ops")
     except ImportError:
@@ -50,7 +50,7 @@ def _triton_ops() -> ModuleType | None:
 
 
 def _triton() -> ModuleType:
-    ops = _triton_ops()
+    ops = triton_ops()
     assert ops is not None  # resolve_backend checked it
     return ops
 

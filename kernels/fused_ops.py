@@ -1,5 +1,6 @@
 """RMSNorm (with the residual add), SiLU-times-up and RoPE in one pass a row: the compiled CPU ops
-(``kernels/csrc/fused_ops_cpu.cpp``) for fp32 CPU tensors where they build, torch elsewhere.
+(``kernels/csrc/fused_ops_cpu.cpp``) for fp32 CPU tensors where they build, Triton kernels
+(``kernels/triton_fused.py``: norm and RoPE) for 16-bit CUDA tensors, torch elsewhere.
 
     x = add_rms_norm_(h, delta, w, eps)   # h += delta; x = rms_norm(h)
     token_ids = argmax_rows(logits)        # a greedy step's tokens
@@ -7,21 +8,33 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import cpu_kernel
+from kernels import cpu_kernel, dispatch
 
 
 def _compiled(x: Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and cpu_kernel.available()
 
 
+def _triton_fused(*tensors: Tensor) -> ModuleType | None:
+    """The Triton ops where every tensor is a 16-bit CUDA one they take, else None."""
+    if any(t.device.type != "cuda" for t in tensors):
+        return None
+    ops = dispatch.triton_ops()
+    return ops if ops is not None and all(ops.fused_supports(t) for t in tensors) else None
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """As HF computes it: normalize in fp32, cast back, then scale."""
     if _compiled(x):
         return torch.ops.tandem_cpu.rms_norm(x, weight, eps)
+    if x.dim() == 2 and (ops := _triton_fused(x)) is not None:
+        return ops.add_rms_norm(x, None, weight, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
@@ -33,6 +46,8 @@ def add_rms_norm_(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> Tenso
     """``h += delta`` in place, then ``rms_norm(h)``."""
     if _compiled(h) and _compiled(delta):
         return torch.ops.tandem_cpu.add_rms_norm_(h, delta, weight, eps)
+    if h.dim() == 2 and (ops := _triton_fused(h, delta)) is not None:
+        return ops.add_rms_norm(h, delta, weight, eps)
     h += delta
     return rms_norm(h, weight, eps)
 
@@ -48,6 +63,11 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     """Rotate ``x`` [T, heads, D] in place by ``cos``/``sin`` [T, D] (HF's half-split layout)."""
     if _compiled(cos) and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1:
         torch.ops.tandem_cpu.rope_(x, cos, sin)
+        return
+    head_dim = x.shape[-1]
+    if (head_dim & (head_dim - 1) == 0 and cos.is_contiguous() and sin.is_contiguous()
+            and (ops := _triton_fused(x, cos, sin)) is not None):
+        ops.rope(x, cos, sin)
         return
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
