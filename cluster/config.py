@@ -57,6 +57,9 @@ class EngineSection(_Strict):
     max_num_batched_tokens: int = Field(default=8192, ge=16)
     prefill_chunk_size: int | None = Field(default=512, ge=16)
     enable_prefix_caching: bool = True
+    # Decode steps replayed from CUDA graphs at padded batch sizes up to max_num_seqs; null: on where the
+    # worker runs on a CUDA GPU with Triton attention; true on a CPU worker stops it at start.
+    cuda_graphs: bool | None = None
 
 
 class ResourcesSection(_Strict):
@@ -239,6 +242,7 @@ class ClusterConfig(_Strict):
                             kv_cache_memory_fraction=e.kv_cache_memory_fraction, max_num_seqs=e.max_num_seqs,
                             max_num_batched_tokens=e.max_num_batched_tokens,
                             prefill_chunk_size=e.prefill_chunk_size, enable_prefix_caching=e.enable_prefix_caching,
+                            cuda_graphs=e.cuda_graphs,
                             max_queue_len=e.max_queue_len, max_queue_time_s=e.max_queue_time_s,
                             num_kv_blocks=num_kv_blocks, timing_profile=profile)
 

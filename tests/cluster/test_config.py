@@ -22,6 +22,12 @@ def test_gpu_examples_parse(name):
     assert config.engine_config("decode").kv_cache_bytes > config.engine_config("prefill").kv_cache_bytes
 
 
+def test_cuda_graphs_reach_the_engine():
+    config = parse_config({"decode": {"engine": {"cuda_graphs": False}}})
+    assert config.engine_config("decode").cuda_graphs is False
+    assert config.engine_config("prefill").cuda_graphs is None  # auto: on a CUDA GPU with Triton attention
+
+
 @pytest.mark.parametrize(("data", "message"), [
     ({"decode": {"replicaz": 2}}, "decode.replicaz: unknown key"),
     ({"colour": "blue"}, "colour: unknown key"),
@@ -34,6 +40,7 @@ def test_gpu_examples_parse(name):
     ({"prefill": {"replicas": 9}}, "prefill: replicas (9) must be between min_replicas (1) and max_replicas (4)"),
     ({"transport": {"backend": "carrier-pigeon"}}, "transport.backend: Input should be 'tcp', 'nixl' or 'nccl'"),
     ({"decode": {"engine": {"kv_cache_bytes": 0}}}, "decode.engine.kv_cache_bytes: Input should be greater than"),
+    ({"decode": {"engine": {"cuda_graphs": "sometimes"}}}, "decode.engine.cuda_graphs: Input should be a valid boolean"),
 ])
 def test_bad_config_is_one_line_naming_the_key(data, message):
     with pytest.raises(ConfigError) as info:

@@ -54,16 +54,20 @@ def hf_greedy(hf_model, ids: list[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def test_fp32_greedy_tokens_equal_hf_on_the_gpu(model_dir, hf_model, prompts):
-    """Batched, chunked (64-token chunks) and with a prefix-cache hit: token for token HF's."""
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+def test_fp32_greedy_tokens_equal_hf_on_the_gpu(model_dir, hf_model, prompts, cuda_graphs):
+    """Batched, chunked (64-token chunks) and with a prefix-cache hit: token for token HF's, with decode
+    steps replayed from CUDA graphs (padded to captured sizes) and launched eagerly."""
     torch.backends.cuda.matmul.allow_tf32 = False
     engine = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512,
-                                 prefill_chunk_size=64))
+                                 prefill_chunk_size=64, max_num_seqs=16, cuda_graphs=cuda_graphs))
     assert engine.runner.attention_backend == "triton"
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
     got = [r.token_ids for r in engine.generate(prompts, params)]
     assert got == [hf_greedy(hf_model, p) for p in prompts]
     assert engine.block_pool.check_integrity()
+    graphs = engine.runner.decode_graphs
+    assert (graphs is not None and graphs.num_replays >= NUM_NEW // 2) if cuda_graphs else graphs is None
     hit = engine.generate([prompts[-1]], params)[0].token_ids  # now all of it is cached but the last block
     assert hit == got[-1]
 
@@ -80,3 +84,38 @@ def test_bf16_logits_track_fp32_hf(model_dir, hf_model, prompts):
     assert (got - expected).abs().mean().item() < 0.05 * spread
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
+
+
+def test_graph_steps_give_eager_logprobs_as_the_batch_shrinks(model_dir):
+    """Requests of different lengths finish one by one, so decode batches pass through captured sizes and
+    between them (13 rows padded to 16, then 12, 7, ...); sampled requests draw the same numbers."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(3, 90))] for _ in range(13)]
+    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True,
+                             logprobs=1) for i in range(13)]
+    results = {}
+    for graphs in (True, False):
+        engine = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256,
+                                     max_num_seqs=16, cuda_graphs=graphs))
+        results[graphs] = engine.generate(prompts, params)
+    assert engine.runner.decode_graphs is None
+    for with_graphs, eager in zip(results[True], results[False], strict=True):
+        assert with_graphs.token_ids == eager.token_ids
+        assert torch.allclose(torch.tensor(with_graphs.logprobs), torch.tensor(eager.logprobs), atol=1e-4)
+
+
+def test_decode_graph_buffers_pad_past_the_real_rows(model_dir):
+    """Padding rows write no KV (slot -1) and read one token of block 0; a table as wide as max_model_len
+    fits, a wider one and more rows than captured do not."""
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", num_kv_blocks=64, max_num_seqs=8,
+                                 max_model_len=256))
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+    assert graphs.fits(8, 16) and not graphs.fits(9, 1) and not graphs.fits(1, 17)
+    before = engine.runner.kv_cache.clone()
+    logits = graphs.forward([5, 6, 7], [0, 0, 0], [-1, -1, -1], [1, 1, 1], [[3], [4], [5]])
+    assert logits.shape == (3, engine.model.config.vocab_size) and torch.isfinite(logits).all()
+    assert torch.equal(engine.runner.kv_cache, before)  # every slot -1: nothing written
+    lens = graphs._device[3 * 8 : 4 * 8].tolist()
+    assert lens == [1, 1, 1, 1, 1, 1, 1, 1]

@@ -72,3 +72,11 @@ def test_not_a_gguf_file(tmp_path):
     junk.write_bytes(b"definitely not gguf" * 10)
     with pytest.raises(ModelLoadError, match="cannot read GGUF"):
         Engine(EngineConfig(model=str(junk)))
+
+
+def test_cuda_graphs_on_a_cpu_model_are_refused_by_name(default_model_and_tokenizer):
+    model, tokenizer = default_model_and_tokenizer
+    with pytest.raises(ValueError, match="cuda_graphs: true needs a model on a CUDA device, not a model on cpu"):
+        Engine(EngineConfig(num_kv_blocks=64, cuda_graphs=True), model=model, tokenizer=tokenizer)
+    engine = Engine(EngineConfig(num_kv_blocks=64), model=model, tokenizer=tokenizer)  # auto: off on CPU
+    assert engine.runner.decode_graphs is None

@@ -76,3 +76,16 @@ def test_max_num_seqs_caps_the_running_batch(make_engine):
         engine.step()
         peak = max(peak, len(engine.scheduler.running))
     assert peak == 2
+
+
+def test_gpu_bench_prefills_every_request_before_timing_decode(make_engine):
+    """bench_engine_gpu's setup steps until all requests run decodes alone (its old loop never stepped while
+    requests waited, and hung on an H200). More requests than one step's token budget takes."""
+    from tests.bench.bench_engine_gpu import prefill_all
+
+    engine = make_engine(max_num_batched_tokens=64, prefill_chunk_size=32)
+    for i in range(6):
+        engine.add_request(list(range(100 + i, 140 + i)), SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    prefill_all(engine)
+    assert not engine.scheduler.waiting and len(engine.scheduler.running) == 6
+    assert all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)

@@ -46,6 +46,10 @@ class EngineConfig:
     # seconds a request may wait for admission before it is shed.
     max_queue_len: int | None = None
     max_queue_time_s: float | None = None
+    # Decode-only steps replayed from CUDA graphs captured at padded batch sizes up to max_num_seqs (one
+    # launch a step instead of ~20 a layer; workers/engine/decode_graphs.py). None: on for a CUDA model with
+    # the triton backend; true elsewhere is an error; false: every step launched eagerly.
+    cuda_graphs: bool | None = None
     # Attention backend for kernels.dispatch: None picks Triton on CUDA, torch elsewhere.
     attention_backend: str | None = None
     # Seed of the generator used by requests that bring none.

@@ -25,7 +25,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.kv_sizing import kv_cache_size
-from workers.engine.model_loading import load_model, resolve_kv_cache_dtype
+from workers.engine.model_loading import load_model, resolve_cuda_graphs, resolve_kv_cache_dtype
 from workers.engine.model_runner import ModelRunner
 from workers.engine.request import Request, RequestStatus
 from workers.engine.scheduler import KVReservation, SampledToken, Scheduler
@@ -129,7 +129,9 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(self.block_pool)
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else mcfg.eos_token_id
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, eos)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, backend, config.seed, eos, kv_dtype)
+        graph_batch = config.max_num_seqs if resolve_cuda_graphs(config, model, backend) else None
+        self.runner = ModelRunner(model, num_blocks, config.block_size, backend, config.seed, eos, kv_dtype,
+                                  cuda_graph_batch=graph_batch, max_model_len=self.max_model_len)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.structured_outputs = StructuredOutputs(self.tokenizer.hf, model.config.vocab_size)
         self._ids = itertools.count()

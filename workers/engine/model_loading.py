@@ -69,6 +69,19 @@ def resolve_kv_cache_dtype(config: EngineConfig, model: LlamaModel | TimingModel
     return want
 
 
+def resolve_cuda_graphs(config: EngineConfig, model: LlamaModel | TimingModel, attention_backend: str) -> bool:
+    """Whether decode steps replay CUDA graphs (see ``EngineConfig.cuda_graphs``)."""
+    on_gpu = isinstance(model, LlamaModel) and model.device.type == "cuda"
+    if config.cuda_graphs is None:
+        return on_gpu and attention_backend == "triton"
+    if config.cuda_graphs and not on_gpu:
+        where = "a timing model" if isinstance(model, TimingModel) else f"a model on {model.device.type}"
+        raise ValueError(f"cuda_graphs: true needs a model on a CUDA device, not {where}")
+    if config.cuda_graphs and attention_backend != "triton":
+        raise ValueError(f"cuda_graphs: true replays the triton attention backend, not {attention_backend}")
+    return config.cuda_graphs
+
+
 def resolve_weight_format(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
     """"gguf" or "dense" (see ``EngineConfig.weight_format``)."""
     fits = device.type == "cpu" and dtype == torch.float32

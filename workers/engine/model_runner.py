@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 import kernels
+from workers.engine.decode_graphs import DecodeGraphs
 from workers.engine.request import Request
 from workers.engine.sampler import draw, sample, top_logprobs
 from workers.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
@@ -23,7 +24,10 @@ from workers.model.timing_model import TimingModel
 class ModelRunner:
     def __init__(self, model: LlamaModel | TimingModel, num_blocks: int, block_size: int,
                  attention_backend: str | None = None, seed: int = 0, eos_token_id: int | None = None,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, cuda_graph_batch: int | None = None,
+                 max_model_len: int | None = None):
+        """``cuda_graph_batch``: capture decode steps of up to that many rows in CUDA graphs (a CUDA
+        ``LlamaModel``; ``max_model_len`` sizes their block tables)."""
         self.model = model
         self.eos_token_id = eos_token_id  # held back by min_tokens
         self.device = model.device
@@ -35,6 +39,12 @@ class ModelRunner:
         self.kv_cache = model.new_kv_cache(num_blocks, block_size, kv_dtype)
         self._rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graph_batch is not None:
+            assert isinstance(model, LlamaModel) and max_model_len is not None
+            self.decode_graphs = DecodeGraphs(model, self.kv_cache, block_size=block_size, max_batch=cuda_graph_batch,
+                                              max_model_len=max_model_len, backend=self.attention_backend)
+            self.decode_graphs.capture()
 
     def execute(self, out: SchedulerOutput) -> list[SampledToken | None]:
         """Run one step; returns, per scheduled chunk in order, its sampled token or None."""
@@ -63,12 +73,7 @@ class ModelRunner:
                     prompt_spans.append((req, lo, hi - lo))
                     first_row = len(input_ids) - n + lo - start
                     prompt_rows.extend(range(first_row, first_row + hi - lo))
-        attn = self._attention_metadata(rows, slots)
-        dev = self.device
-        logits = self.model.forward(
-            torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-            self.kv_cache, attn, torch.tensor(logit_rows + prompt_rows, device=dev, dtype=torch.long),
-        )
+        logits = self._forward(rows, input_ids, positions, slots, logit_rows, prompt_rows, out.is_decode_only)
         if prompt_spans:
             _add_prompt_logprobs(logits[len(logit_rows):], prompt_spans)
             logits = logits[: len(logit_rows)]
@@ -87,6 +92,24 @@ class ModelRunner:
             if chunk.samples:
                 results[i] = SampledToken(*next(sampled))
         return results
+
+    def _forward(self, rows: Sequence[ScheduledChunk], input_ids: list[int], positions: list[int], slots: list[int],
+                 logit_rows: list[int], prompt_rows: list[int], is_decode_only: bool) -> torch.Tensor:
+        """Logits of ``logit_rows`` then ``prompt_rows``: a captured CUDA graph where one holds the step, else
+        the model launched eagerly."""
+        dev = self.device
+        graphs = self.decode_graphs
+        if (graphs is not None and is_decode_only and not prompt_rows
+                and graphs.fits(len(rows), max(len(c.block_ids) for c in rows))):
+            logits = graphs.forward(input_ids, positions, slots, [p + 1 for p in positions],
+                                    [c.block_ids for c in rows])
+            if len(logit_rows) < len(rows):  # a one-token prompt chunk that does not reach its end
+                logits = logits[torch.tensor(logit_rows, device=dev, dtype=torch.long)]
+            return logits
+        return self.model.forward(
+            torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), self.kv_cache,
+            self._attention_metadata(rows, slots), torch.tensor(logit_rows + prompt_rows, device=dev, dtype=torch.long),
+        )
 
     def _attention_metadata(self, rows: Sequence[ScheduledChunk], slots: list[int]) -> AttentionMetadata:
         dev = self.device
