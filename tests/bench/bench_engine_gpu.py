@@ -7,8 +7,9 @@ no files needed. Figures, each beside its reference in the same process:
 
 1. offline throughput: N requests (prompts 128-512 tokens, outputs 16-256, greedy, ignore_eos)
    against HF ``generate`` in static batches of 64 (useful tokens/s; target >= 2x, as on CPU);
-2. one decode step at batch 64, context 512: wall time and the GPU time of its kernels (the gap is
-   host overhead: Python and kernel launches);
+2. one decode step at batch 64, context 512, replayed from CUDA graphs and launched eagerly: wall time
+   and the GPU time of its kernels (the gap is host overhead: Python and kernel launches; target: wall
+   <= 1.5x the kernels), with the graph step's host time split into schedule, run and the rest;
 3. TTFT of a 1,000-token prompt: the engine's prefill step against HF's forward of the same prompt.
 """
 
@@ -55,11 +56,15 @@ def throughput(engine_for: EngineFactory, hf: Any, num_requests: int, hf_batch: 
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(128, 512))] for _ in range(num_requests)]
     outs = [rng.randint(16, 256) for _ in range(num_requests)]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outs]
-    engine = engine_for(max_num_seqs=num_requests, num_kv_blocks=(num_requests * 800) // 16)
-    engine.generate(prompts[:8], params[:8])  # warm-up: Triton compiles, cuBLAS picks kernels
-    tandem_s, results = synced(lambda: engine.generate(prompts, params))
-    assert [len(r.token_ids) for r in results] == outs
-    log(f"throughput: tandem {sum(outs) / tandem_s:.0f} tok/s; now HF static batches of {hf_batch}")
+    seconds = {}
+    for graphs in (False, True):
+        engine = engine_for(max_num_seqs=num_requests, num_kv_blocks=(num_requests * 800) // 16, cuda_graphs=graphs)
+        engine.generate(prompts[:8], params[:8])  # warm-up: Triton compiles, cuBLAS picks kernels
+        seconds[graphs], results = synced(lambda: engine.generate(prompts, params))  # noqa: B023
+        assert [len(r.token_ids) for r in results] == outs
+        log(f"throughput, cuda_graphs={graphs}: tandem {sum(outs) / seconds[graphs]:.0f} tok/s")
+    tandem_s = seconds[True]
+    log(f"now HF static batches of {hf_batch}")
     hf_s = 0.0
     for start in range(0, num_requests, hf_batch):
         group, new = prompts[start : start + hf_batch], max(outs[start : start + hf_batch])
@@ -71,26 +76,82 @@ def throughput(engine_for: EngineFactory, hf: Any, num_requests: int, hf_batch: 
                                   min_new_tokens=new, do_sample=False, pad_token_id=0))
         hf_s += s
     useful = sum(outs)
-    return {"tandem_tok_s": useful / tandem_s, "hf_tok_s": useful / hf_s, "ratio": hf_s / tandem_s}
+    return {"tandem_tok_s": useful / tandem_s, "eager_tok_s": useful / seconds[False], "hf_tok_s": useful / hf_s,
+            "ratio": hf_s / tandem_s}
 
 
-def decode_step(engine_for: EngineFactory, batch: int = 64, ctx: int = 512, steps: int = 30) -> dict[str, float]:
+class PartTimer:
+    """Host seconds spent in the scheduler and in the model runner (synced: it ends when the GPU has)."""
+
+    def __init__(self, engine: Engine):
+        self.parts = {"schedule": 0.0, "run": 0.0}
+        for name, owner, attr in (("schedule", engine.scheduler, "schedule"), ("run", engine.runner, "execute")):
+            setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+
+    def _timed(self, name: str, fn: Callable[..., T]) -> Callable[..., T]:
+        def wrapper(*args: Any) -> T:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.parts[name] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+
+def prefill_all(engine: Engine) -> None:
+    """Step until every request is admitted and a step runs decodes alone."""
+    while True:
+        result = engine.step()
+        if result.num_tokens == 0:
+            raise RuntimeError("a step ran nothing: the requests cannot all be admitted (KV blocks, max_num_seqs)")
+        if not engine.scheduler.waiting and result.is_decode_only:
+            return
+
+
+def decode_step(engine_for: EngineFactory, cuda_graphs: bool, batch: int = 64, ctx: int = 512,
+                steps: int = 30) -> dict[str, float]:
+    """Wall time of a decode step and the GPU time of its kernels. Eager: the profiler's kernel times.
+    Graphs: CUDA events around back-to-back replays of the step's graph (the profiler is not run while
+    graphs replay: CUPTI and graph replay together hang or fault on some CUDA versions)."""
     rng = random.Random(1)
-    engine = engine_for(max_num_seqs=batch, num_kv_blocks=batch * (ctx + steps + 64) // 16 + 64)
+    engine = engine_for(max_num_seqs=batch, num_kv_blocks=batch * (ctx + 2 * steps + 64) // 16 + 64,
+                        cuda_graphs=cuda_graphs)
     for _ in range(batch):
         engine.add_request([rng.randrange(100, 40000) for _ in range(ctx)],
                            SamplingParams(max_tokens=1024, temperature=0, ignore_eos=True))
-    while engine.scheduler.waiting or not engine.step().is_decode_only:
-        pass
+    prefill_all(engine)
     for _ in range(3):
         engine.step()
+    timer = PartTimer(engine)
     walls = [synced(engine.step)[0] for _ in range(steps)]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            engine.step()
-        torch.cuda.synchronize()
-    gpu_us = sum(e.self_device_time_total for e in prof.key_averages()) / 5
-    return {"step_ms": statistics.median(walls) * 1e3, "gpu_ms": gpu_us / 1e3}
+    parts = dict(timer.parts)
+    graphs = engine.runner.decode_graphs
+    if cuda_graphs:
+        assert graphs is not None and graphs.num_replays >= steps, "decode steps must replay graphs"
+        gpu_ms, kernels = replay_gpu_ms(graphs.graph(batch)), float("nan")
+    else:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        gpu_ms = sum(e.self_device_time_total for e in events) / 5 / 1e3
+        kernels = sum(e.count for e in events if e.self_device_time_total > 0) / 5
+    return {"step_ms": statistics.median(walls) * 1e3, "gpu_ms": gpu_ms, "kernels_per_step": kernels,
+            "schedule_ms": parts["schedule"] / steps * 1e3, "run_ms": parts["run"] / steps * 1e3}
+
+
+def replay_gpu_ms(graph: torch.cuda.CUDAGraph, repeats: int = 20) -> float:
+    """GPU milliseconds of one replay, from events around ``repeats`` replays queued back to back (the last
+    step's inputs again: its KV rows are rewritten with the same values)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 def ttft(engine_for: EngineFactory, hf: Any, length: int = 1000, repeats: int = 10) -> dict[str, float]:
@@ -122,21 +183,30 @@ def main() -> None:
     directory = tempfile.mkdtemp(prefix="tandem-bench-")
     save_random_hf_model(directory, smollm2_shaped_hf_config(args.layers))
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
-    base = Engine(EngineConfig(model=directory, num_kv_blocks=16))
+    base = Engine(EngineConfig(model=directory, num_kv_blocks=16, cuda_graphs=False))
     log(f"model: {args.layers} layers, {base.model.dtype} on {torch.cuda.get_device_name()}")
 
     def engine_for(**knobs: object) -> Engine:
         return Engine(EngineConfig(**knobs), model=base.model, tokenizer=base.tokenizer)  # type: ignore[arg-type]
 
-    t = throughput(engine_for, hf, args.requests)
-    d = decode_step(engine_for)
+    # Eager first: the profiler runs there, before any graph is captured in this process.
+    d = {graphs: decode_step(engine_for, graphs) for graphs in (False, True)}
+    for graphs, r in d.items():
+        log(f"decode step b64 ctx512, cuda_graphs={graphs}: {r}")
     f = ttft(engine_for, hf)
+    t = throughput(engine_for, hf, args.requests)
     print("| measurement | tandem | reference | ratio |")
     print("| --- | --- | --- | --- |")
-    print(f"| throughput, {args.requests} requests | {t['tandem_tok_s']:.0f} tok/s | HF static b64 "
-          f"{t['hf_tok_s']:.0f} tok/s | {t['ratio']:.2f}x |")
-    print(f"| decode step b64 ctx512 | {d['step_ms']:.2f} ms wall | GPU kernels {d['gpu_ms']:.2f} ms | "
-          f"{d['step_ms'] / d['gpu_ms']:.2f}x |")
+    print(f"| throughput, {args.requests} requests | {t['tandem_tok_s']:.0f} tok/s (eager "
+          f"{t['eager_tok_s']:.0f}) | HF static b64 {t['hf_tok_s']:.0f} tok/s | {t['ratio']:.2f}x |")
+    for graphs, r in d.items():
+        how = "CUDA graphs" if graphs else "eager"
+        gpu = "graph replay (events)" if graphs else f"kernels (profiler), {r['kernels_per_step']:.0f} a step"
+        print(f"| decode step b64 ctx512, {how} | {r['step_ms']:.2f} ms wall (schedule {r['schedule_ms']:.2f}, "
+              f"run {r['run_ms']:.2f}) | GPU {gpu}: {r['gpu_ms']:.2f} ms | "
+              f"{r['step_ms'] / r['gpu_ms']:.2f}x (target <= 1.5x) |")
+    print(f"| decode step b64 ctx512, graphs against eager kernels | {d[True]['step_ms']:.2f} ms wall | "
+          f"eager's GPU kernels {d[False]['gpu_ms']:.2f} ms | {d[True]['step_ms'] / d[False]['gpu_ms']:.2f}x |")
     print(f"| TTFT 1,000 tokens | {f['tandem_ms']:.1f} ms | HF forward {f['hf_forward_ms']:.1f} ms | "
           f"{f['ratio']:.2f}x |")
 
