@@ -44,15 +44,14 @@ class DecodeGraphs:
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, *, block_size: int, max_batch: int,
                  max_model_len: int, backend: str):
-        if model.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {model.device.type}")
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.max_batch = b = max_batch
         self.width = cdiv(max_model_len, block_size)
         size = 4 * b + b * self.width
-        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        # Pinned, so the copy is asynchronous (pageable memory would be staged, synchronously, by the driver).
+        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=model.device.type == "cuda")
         self._host_np = self._host.numpy()
         self._device = torch.zeros(size, dtype=torch.int32, device=model.device)
         self._host_np[2 * b : 3 * b] = -1  # slots: padding writes nothing
@@ -79,6 +78,8 @@ class DecodeGraphs:
         """Capture every size, largest first (the smaller ones reuse its memory pool). Each size runs once
         eagerly first, on a side stream: Triton compiles its kernels and cuBLAS picks its own there, not
         while a graph is being recorded."""
+        if self.model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.model.device.type}")
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):

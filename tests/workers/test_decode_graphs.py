@@ -1,0 +1,96 @@
+"""``DecodeGraphs``' buffers and padding on CPU: its graphs replaced by eager forwards over the same static
+buffers (what a replay computes), so the staging, padding and size choice are tested without a GPU
+(``test_engine_cuda.py`` replays real graphs). Triton attention runs in the interpreter here."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.tiny_model import tiny_model
+from workers.engine.config import EngineConfig
+from workers.engine.decode_graphs import DecodeGraphs, capture_sizes
+from workers.engine.engine import Engine
+from workers.protocol.sampling_params import SamplingParams
+
+
+class _Replay:
+    """Stands for a captured graph: replay runs the same forward over the same buffers into the same logits."""
+
+    def __init__(self, run):
+        self.run = run
+        with torch.inference_mode():
+            self.logits = run()
+
+    def replay(self) -> None:
+        with torch.inference_mode():
+            self.logits.copy_(self.run())
+
+
+class EagerDecodeGraphs(DecodeGraphs):
+    def capture(self) -> None:
+        for b in self.sizes:
+            input_ids, positions, attn = self._inputs(b)
+            rows = self._logit_rows[:b]
+            fake = _Replay(lambda i=input_ids, p=positions, a=attn, r=rows: self.model.forward(
+                i, p, self.kv_cache, a, r))
+            self._graphs[b] = (fake, fake.logits)  # type: ignore[assignment]
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_capture_needs_a_cuda_device():
+    model = tiny_model()
+    graphs = DecodeGraphs(model, model.new_kv_cache(8, 16), block_size=16, max_batch=4, max_model_len=64,
+                          backend="triton")
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, not cpu"):
+        graphs.capture()
+
+
+def test_padded_steps_give_eager_tokens_as_the_batch_shrinks(default_model_and_tokenizer):
+    """13 requests finishing one by one: steps of 13 rows padded to 16, then 12, 11, ... 1, each written into
+    the buffers over what the last step left there (longer tables, stale rows)."""
+    model = tiny_model(seed=3, max_positions=512)
+    tokenizer = default_model_and_tokenizer[1]
+    rng = random.Random(4)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(3, 70))] for _ in range(13)]
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True,
+                             logprobs=1) for i in range(13)]
+    results = {}
+    for padded in (True, False):
+        engine = Engine(EngineConfig(num_kv_blocks=200, max_num_seqs=16, attention_backend="triton",
+                                     prefill_chunk_size=32), model=model, tokenizer=tokenizer)
+        if padded:
+            graphs = EagerDecodeGraphs(model, engine.runner.kv_cache, block_size=16, max_batch=16, max_model_len=512,
+                                       backend="triton")
+            graphs.capture()
+            engine.runner.decode_graphs = graphs
+        results[padded] = engine.generate(prompts, params)
+    assert graphs.num_replays >= 20
+    for with_padding, eager in zip(results[True], results[False], strict=True):
+        assert with_padding.token_ids == eager.token_ids
+        assert torch.allclose(torch.tensor(with_padding.logprobs), torch.tensor(eager.logprobs), atol=1e-4)
+
+
+def test_padding_rows_write_nothing_and_the_copy_covers_the_used_rows():
+    model = tiny_model(seed=1)
+    kv_cache = model.new_kv_cache(16, 16)
+    graphs = EagerDecodeGraphs(model, kv_cache, block_size=16, max_batch=8, max_model_len=128, backend="triton")
+    graphs.capture()
+    assert graphs.width == 8 and graphs.padded_size(3) == 4 and graphs.padded_size(9) is None
+    assert graphs.fits(8, 8) and not graphs.fits(9, 1) and not graphs.fits(1, 9) and not graphs.fits(0, 1)
+    logits = graphs.forward([5, 6, 7], [20, 3, 0], [5 * 16 + 4, 2 * 16 + 3, 9 * 16], [21, 4, 1],
+                            [[1, 5], [2], [9]])
+    assert logits.shape == (3, model.config.vocab_size) and torch.isfinite(logits).all()
+    written = kv_cache[:, 0].abs().sum(dim=(0, 3, 4)) > 0  # [blocks, rows]: rows any layer's K was written to
+    assert written.nonzero().tolist() == [[2, 3], [5, 4], [9, 0]]  # the three real slots, nothing for padding
+    buf, m = graphs._device, 8
+    assert buf[3 * m : 3 * m + 4].tolist() == [21, 4, 1, 1]  # the padding row reads one token
+    assert buf[2 * m : 2 * m + 4].tolist()[3] == -1
+    assert buf[4 * m : 4 * m + 2].tolist() == [1, 5] and buf[4 * m + 3 * 8].item() == 0
