@@ -1,0 +1,104 @@
+"""Host time of an engine decode step with the model's forward taken away: what a CUDA-graph replay leaves on
+the host (schedule, build the step's inputs, sample, detokenize, stop checks), measured on any machine.
+
+    python tests/bench/bench_step_host.py [--batches 1,8,64] [--steps 300]
+
+The forward returns fixed logits rolled by one place a step (so each request's tokens, and the text the
+detokenizer decodes, keep changing), and the model has a 4,096-token vocabulary so that the argmax (GPU
+work on a GPU) stays small: the figures are the engine's Python and the sampler's host work. Target
+context (issue 20): a GPU decode step at batch 64 within 1.5x of its kernels (~2.7 ms on an H100) leaves
+the host ~1.3 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.tiny_model import tiny_model  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+from workers.model.open_model import open_model  # noqa: E402
+from workers.model.tokenizer import Tokenizer  # noqa: E402
+from workers.protocol.sampling_params import SamplingParams  # noqa: E402
+
+T = TypeVar("T")
+
+
+class Split:
+    """Seconds inside the scheduler, the runner's forward and the whole runner (the rest is postprocess)."""
+
+    def __init__(self, engine: Engine):
+        self.seconds = {"schedule": 0.0, "forward": 0.0, "runner": 0.0}
+        self._wrap("schedule", engine.scheduler, "schedule")
+        self._wrap("forward", engine.runner, "_forward")
+        self._wrap("runner", engine.runner, "execute")
+
+    def _wrap(self, name: str, owner: Any, attr: str) -> None:
+        fn: Callable[..., Any] = getattr(owner, attr)
+
+        def timed(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.seconds[name] += time.perf_counter() - t0
+            return out
+        setattr(owner, attr, timed)
+
+
+def measure(tokenizer: Tokenizer, batch: int, steps: int, prompt_len: int = 400) -> dict[str, float]:
+    # A small vocabulary: the argmax over it is cheap here as it is on a GPU (ids < 4,096 are still the real
+    # tokenizer's tokens, so detokenizing costs what it costs).
+    model = tiny_model(seed=1, vocab_size=4096, max_positions=prompt_len + steps + 64)
+    engine = Engine(EngineConfig(num_kv_blocks=batch * ((prompt_len + steps) // 16 + 2) + 16, max_num_seqs=batch),
+                    model=model, tokenizer=tokenizer)
+    rng = random.Random(0)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(100, 4000) for _ in range(prompt_len)],
+                           SamplingParams(max_tokens=steps + 20, temperature=0, ignore_eos=True))
+    while engine.scheduler.waiting or engine.scheduler.running[-1].num_output_tokens == 0:
+        engine.step()
+    # Logits whose argmax differs by row and step: each request's text keeps growing with real tokens.
+    logits = torch.randn(batch, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    engine.runner._forward = lambda rows, *a: logits[: len(rows)].roll(len(rows[0].request.output_token_ids), 1)
+    for _ in range(5):
+        engine.step()
+    split = Split(engine)
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        result = engine.step()
+        walls.append(time.perf_counter() - t0)
+        assert result.is_decode_only and len(result.outputs) == batch
+    per = {k: v / steps * 1e3 for k, v in split.seconds.items()}
+    step = statistics.median(walls) * 1e3
+    return {"step_ms": step, "schedule_ms": per["schedule"], "sample_ms": per["runner"] - per["forward"],
+            "post_ms": statistics.mean(walls) * 1e3 - per["schedule"] - per["runner"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # a decode worker's host thread; the argmax's threads would blur the split
+    tokenizer = Tokenizer.load(open_model(None).source)  # the bundled model's: its decode cost is the real one
+    print("| batch | host ms a step (median) | schedule | inputs + sample | postprocess (detokenize, stops) |")
+    print("| --- | --- | --- | --- | --- |")
+    for batch in (int(b) for b in args.batches.split(",")):
+        r = measure(tokenizer, batch, args.steps)
+        print(f"| {batch} | {r['step_ms']:.3f} | {r['schedule_ms']:.3f} | {r['sample_ms']:.3f} | {r['post_ms']:.3f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
