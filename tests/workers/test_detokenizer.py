@@ -62,3 +62,17 @@ def test_engine_stop_string_finishes_with_reason(make_engine):
     cut = engine.generate([chat], SamplingParams(max_tokens=32, temperature=0, stop=["of Fr"]))[0]
     assert cut.text == "The capital " and cut.finish_reason == "stop"
     assert engine.block_pool.num_used_blocks == 0
+
+
+def test_decode_through_the_rust_tokenizer_is_hfs_decode(tokenizer):
+    """Tokenizer.decode skips HF's Python wrapper where it adds nothing (no clean-up pass): same text for
+    random ids (special tokens and partial UTF-8 among them), with and without skip_special_tokens."""
+    import random
+
+    assert tokenizer._rust_decoder is not None  # the bundled model's tokenizer takes the fast path
+    rng = random.Random(0)
+    vocab = len(tokenizer.hf)
+    for _ in range(500):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))] + rng.sample(range(10), 2)
+        for skip in (True, False):
+            assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(ids, skip_special_tokens=skip)

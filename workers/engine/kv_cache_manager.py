@@ -25,6 +25,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = pool.block_size
         self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_block_ids: dict[str, list[int]] = {}  # the same tables as ids: a step copies each one
         # Leading blocks of each request already registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
 
@@ -70,14 +71,17 @@ class KVCacheManager:
         if num_needed + num_revived + keep_free > self.pool.num_free_blocks:
             return False
         blocks = self._req_blocks.setdefault(request.request_id, [])
+        ids = self._req_block_ids.setdefault(request.request_id, [])
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
+            ids.extend(b.block_id for b in new_computed_blocks)
             self._num_cached_blocks[request.request_id] = len(blocks)
         if num_needed:
             new_blocks = self.pool.allocate(num_needed)
             assert new_blocks is not None
             blocks.extend(new_blocks)
+            ids.extend(b.block_id for b in new_blocks)
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -102,11 +106,13 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first (see ``BlockPool``)."""
         blocks = self._req_blocks.pop(request.request_id, [])
+        self._req_block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+        """A copy of the request's block table (the caller may keep it past later allocations)."""
+        return list(self._req_block_ids.get(request_id, ()))
 
     @property
     def num_requests(self) -> int:

@@ -159,17 +159,21 @@ class Scheduler:
             self._shed_overdue(out, self.config.max_queue_time_s, time.monotonic())
         limit = self.config.max_num_batched_tokens
         decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens != 1)
+        num_scheduled = 0  # tokens in out.chunks, kept as they are added (summing them per request was n^2)
         for request in decodes_first:
-            budget = limit - out.num_batched_tokens
+            budget = limit - num_scheduled
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
             num_new = self._chunk_len(request, budget)
+            num_preempted = len(out.preempted)
             if self._reserve_or_preempt(request, num_new, out):
                 out.chunks.append(ScheduledChunk(request, num_new, self.kv_cache.block_ids(request.request_id)))
+            # A preemption may have taken an earlier chunk of this step away: count again then (rare).
+            num_scheduled = out.num_batched_tokens if len(out.preempted) > num_preempted else num_scheduled + num_new
         if not out.preempted:
-            self._admit_waiting(out, limit - out.num_batched_tokens)
+            self._admit_waiting(out, limit - num_scheduled)
         return out
 
     def _chunk_len(self, request: Request, budget: int) -> int:

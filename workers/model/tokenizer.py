@@ -20,6 +20,11 @@ class Tokenizer:
         self.hf = hf_tokenizer
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self.vocab_size = len(hf_tokenizer)
+        # The Rust tokenizer where HF's decode would add nothing to it (no clean-up pass): a decode step
+        # detokenizes every running request twice, and HF's Python wrapper was most of that cost.
+        rust = getattr(hf_tokenizer, "_tokenizer", None)
+        self._rust_decoder = rust if rust is not None and not getattr(
+            hf_tokenizer, "clean_up_tokenization_spaces", True) else None
 
     @classmethod
     def load(cls, source: ModelSource) -> Tokenizer:
@@ -60,6 +65,8 @@ class Tokenizer:
         return "hermes" if "<tool_call>" in template else None
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._rust_decoder is not None:
+            return str(self._rust_decoder.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
         return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
 
