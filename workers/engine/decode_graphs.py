@@ -64,15 +64,15 @@ class DecodeGraphs:
 
     def _inputs(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The static buffers' first ``b`` rows, as the model's forward takes them."""
-        n, dev = self.max_batch, self._device
-        tables = dev[4 * n :].view(n, self.width)
+        m, dev = self.max_batch, self._device  # m: the layout's row count, as in forward()
+        tables = dev[4 * m :].view(m, self.width)
         empty = torch.zeros(0, dtype=torch.int32, device=dev.device)
         attn = AttentionMetadata(
-            slot_mapping=dev[2 * n : 2 * n + b], num_decode_tokens=b, decode_block_tables=tables[:b],
-            decode_seq_lens=dev[3 * n : 3 * n + b], prefill_block_tables=tables[:0],
+            slot_mapping=dev[2 * m : 2 * m + b], num_decode_tokens=b, decode_block_tables=tables[:b],
+            decode_seq_lens=dev[3 * m : 3 * m + b], prefill_block_tables=tables[:0],
             prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=dev.device), prefill_seq_lens=empty,
             backend=self.backend, prefill_max_query_len=0)
-        return dev[:b], dev[n : n + b], attn
+        return dev[:b], dev[m : m + b], attn
 
     def capture(self) -> None:
         """Capture every size, largest first (the smaller ones reuse its memory pool). Each size runs once
