@@ -12,7 +12,7 @@ import torch
 from tests.tiny_model import tiny_model
 from workers.engine.config import EngineConfig
 from workers.engine.decode_graphs import DecodeGraphs, capture_sizes
-from workers.engine.engine import Engine
+from workers.engine.engine import CompletionResult, Engine
 from workers.protocol.sampling_params import SamplingParams
 
 
@@ -53,15 +53,29 @@ def test_capture_needs_a_cuda_device():
         graphs.capture()
 
 
+def shrinking_batch(seed: int, longest_prompt: int, first_max_tokens: int, vocab: int = 40000,
+                    ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """13 requests that finish one by one (max_tokens 2 apart), greedy and seeded-sampled alternating, with
+    logprobs: their decode steps pass through captured sizes and between them (13 padded to 16, 12, ... 1)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(3, longest_prompt))] for _ in range(13)]
+    params = [SamplingParams(max_tokens=first_max_tokens + 2 * i, temperature=0 if i % 2 else 0.8, seed=i,
+                             ignore_eos=True, logprobs=1) for i in range(13)]
+    return prompts, params
+
+
+def assert_same_outputs(got: list[CompletionResult], expected: list[CompletionResult]) -> None:
+    for a, b in zip(got, expected, strict=True):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
 def test_padded_steps_give_eager_tokens_as_the_batch_shrinks(default_model_and_tokenizer):
-    """13 requests finishing one by one: steps of 13 rows padded to 16, then 12, 11, ... 1, each written into
-    the buffers over what the last step left there (longer tables, stale rows)."""
+    """Each padded step is written into the buffers over what the last one left there (longer tables,
+    stale rows)."""
     model = tiny_model(seed=3, max_positions=512)
     tokenizer = default_model_and_tokenizer[1]
-    rng = random.Random(4)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(3, 70))] for _ in range(13)]
-    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True,
-                             logprobs=1) for i in range(13)]
+    prompts, params = shrinking_batch(4, 70, 3)
     results = {}
     for padded in (True, False):
         engine = Engine(EngineConfig(num_kv_blocks=200, max_num_seqs=16, attention_backend="triton",
@@ -73,9 +87,7 @@ def test_padded_steps_give_eager_tokens_as_the_batch_shrinks(default_model_and_t
             engine.runner.decode_graphs = graphs
         results[padded] = engine.generate(prompts, params)
     assert graphs.num_replays >= 20
-    for with_padding, eager in zip(results[True], results[False], strict=True):
-        assert with_padding.token_ids == eager.token_ids
-        assert torch.allclose(torch.tensor(with_padding.logprobs), torch.tensor(eager.logprobs), atol=1e-4)
+    assert_same_outputs(results[True], results[False])
 
 
 def test_padding_rows_write_nothing_and_the_copy_covers_the_used_rows():

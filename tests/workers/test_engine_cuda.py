@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.tiny_model import save_random_hf_model, smollm2_shaped_hf_config
+from tests.workers.test_decode_graphs import assert_same_outputs, shrinking_batch
 from tests.workers.test_engine_vs_hf import full_prefill_logits
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
@@ -87,22 +88,17 @@ def test_bf16_logits_track_fp32_hf(model_dir, hf_model, prompts):
 
 
 def test_graph_steps_give_eager_logprobs_as_the_batch_shrinks(model_dir):
-    """Requests of different lengths finish one by one, so decode batches pass through captured sizes and
-    between them (13 rows padded to 16, then 12, 7, ...); sampled requests draw the same numbers."""
+    """Requests finish one by one, so decode batches pass through captured sizes and between them; sampled
+    requests draw the same numbers."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    rng = random.Random(3)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(3, 90))] for _ in range(13)]
-    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True,
-                             logprobs=1) for i in range(13)]
+    prompts, params = shrinking_batch(3, 90, 4)
     results = {}
     for graphs in (True, False):
         engine = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256,
                                      max_num_seqs=16, cuda_graphs=graphs))
         results[graphs] = engine.generate(prompts, params)
     assert engine.runner.decode_graphs is None
-    for with_graphs, eager in zip(results[True], results[False], strict=True):
-        assert with_graphs.token_ids == eager.token_ids
-        assert torch.allclose(torch.tensor(with_graphs.logprobs), torch.tensor(eager.logprobs), atol=1e-4)
+    assert_same_outputs(results[True], results[False])
 
 
 def test_decode_graph_buffers_pad_past_the_real_rows(model_dir):
