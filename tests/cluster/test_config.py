@@ -40,7 +40,8 @@ def test_cuda_graphs_reach_the_engine():
     ({"prefill": {"replicas": 9}}, "prefill: replicas (9) must be between min_replicas (1) and max_replicas (4)"),
     ({"transport": {"backend": "carrier-pigeon"}}, "transport.backend: Input should be 'tcp', 'nixl' or 'nccl'"),
     ({"decode": {"engine": {"kv_cache_bytes": 0}}}, "decode.engine.kv_cache_bytes: Input should be greater than"),
-    ({"decode": {"engine": {"cuda_graphs": "sometimes"}}}, "decode.engine.cuda_graphs: Input should be a valid boolean"),
+    ({"decode": {"engine": {"cuda_graphs": "sometimes"}}},
+     "decode.engine.cuda_graphs: Input should be a valid boolean"),
 ])
 def test_bad_config_is_one_line_naming_the_key(data, message):
     with pytest.raises(ConfigError) as info:
