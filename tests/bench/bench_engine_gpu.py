@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.bench.engine_steps import PartTimer, prefill_all  # noqa: E402
 from tests.tiny_model import save_random_hf_model, smollm2_shaped_hf_config  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
@@ -80,33 +81,6 @@ def throughput(engine_for: EngineFactory, hf: Any, num_requests: int, hf_batch: 
             "ratio": hf_s / tandem_s}
 
 
-class PartTimer:
-    """Host seconds spent in the scheduler and in the model runner (synced: it ends when the GPU has)."""
-
-    def __init__(self, engine: Engine):
-        self.parts = {"schedule": 0.0, "run": 0.0}
-        for name, owner, attr in (("schedule", engine.scheduler, "schedule"), ("run", engine.runner, "execute")):
-            setattr(owner, attr, self._timed(name, getattr(owner, attr)))
-
-    def _timed(self, name: str, fn: Callable[..., T]) -> Callable[..., T]:
-        def wrapper(*args: Any) -> T:
-            t0 = time.perf_counter()
-            out = fn(*args)
-            self.parts[name] += time.perf_counter() - t0
-            return out
-        return wrapper
-
-
-def prefill_all(engine: Engine) -> None:
-    """Step until every request is admitted and a step runs decodes alone."""
-    while True:
-        result = engine.step()
-        if result.num_tokens == 0:
-            raise RuntimeError("a step ran nothing: the requests cannot all be admitted (KV blocks, max_num_seqs)")
-        if not engine.scheduler.waiting and result.is_decode_only:
-            return
-
-
 def decode_step(engine_for: EngineFactory, cuda_graphs: bool, batch: int = 64, ctx: int = 512,
                 steps: int = 30) -> dict[str, float]:
     """Wall time of a decode step and the GPU time of its kernels. Eager: the profiler's kernel times.
@@ -121,9 +95,9 @@ def decode_step(engine_for: EngineFactory, cuda_graphs: bool, batch: int = 64, c
     prefill_all(engine)
     for _ in range(3):
         engine.step()
-    timer = PartTimer(engine)
+    timer = PartTimer({"schedule": (engine.scheduler, "schedule"), "run": (engine.runner, "execute")})
     walls = [synced(engine.step)[0] for _ in range(steps)]
-    parts = dict(timer.parts)
+    parts = dict(timer.seconds)
     graphs = engine.runner.decode_graphs
     if cuda_graphs:
         assert graphs is not None and graphs.num_replays >= steps, "decode steps must replay graphs"

@@ -17,42 +17,19 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.bench.engine_steps import PartTimer, prefill_all  # noqa: E402
 from tests.tiny_model import tiny_model  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.model.open_model import open_model  # noqa: E402
 from workers.model.tokenizer import Tokenizer  # noqa: E402
 from workers.protocol.sampling_params import SamplingParams  # noqa: E402
-
-T = TypeVar("T")
-
-
-class Split:
-    """Seconds inside the scheduler, the runner's forward and the whole runner (the rest is postprocess)."""
-
-    def __init__(self, engine: Engine):
-        self.seconds = {"schedule": 0.0, "forward": 0.0, "runner": 0.0}
-        self._wrap("schedule", engine.scheduler, "schedule")
-        self._wrap("forward", engine.runner, "_forward")
-        self._wrap("runner", engine.runner, "execute")
-
-    def _wrap(self, name: str, owner: Any, attr: str) -> None:
-        fn: Callable[..., Any] = getattr(owner, attr)
-
-        def timed(*args: Any) -> Any:
-            t0 = time.perf_counter()
-            out = fn(*args)
-            self.seconds[name] += time.perf_counter() - t0
-            return out
-        setattr(owner, attr, timed)
 
 
 def measure(tokenizer: Tokenizer, batch: int, steps: int, prompt_len: int = 400) -> dict[str, float]:
@@ -65,14 +42,14 @@ def measure(tokenizer: Tokenizer, batch: int, steps: int, prompt_len: int = 400)
     for _ in range(batch):
         engine.add_request([rng.randrange(100, 4000) for _ in range(prompt_len)],
                            SamplingParams(max_tokens=steps + 20, temperature=0, ignore_eos=True))
-    while engine.scheduler.waiting or engine.scheduler.running[-1].num_output_tokens == 0:
-        engine.step()
+    prefill_all(engine)
     # Logits whose argmax differs by row and step: each request's text keeps growing with real tokens.
     logits = torch.randn(batch, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
     engine.runner._forward = lambda rows, *a: logits[: len(rows)].roll(len(rows[0].request.output_token_ids), 1)
     for _ in range(5):
         engine.step()
-    split = Split(engine)
+    split = PartTimer({"schedule": (engine.scheduler, "schedule"), "forward": (engine.runner, "_forward"),
+                       "runner": (engine.runner, "execute")})
     walls = []
     for _ in range(steps):
         t0 = time.perf_counter()

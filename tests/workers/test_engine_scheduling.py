@@ -78,10 +78,10 @@ def test_max_num_seqs_caps_the_running_batch(make_engine):
     assert peak == 2
 
 
-def test_gpu_bench_prefills_every_request_before_timing_decode(make_engine):
-    """bench_engine_gpu's setup steps until all requests run decodes alone (its old loop never stepped while
-    requests waited, and hung on an H200). More requests than one step's token budget takes."""
-    from tests.bench.bench_engine_gpu import prefill_all
+def test_bench_setup_prefills_every_request_before_timing_decode(make_engine):
+    """The engine benches' setup steps until all requests run decodes alone (bench_engine_gpu's old loop
+    never stepped while requests waited, and hung on an H200). More requests than one step's budget takes."""
+    from tests.bench.engine_steps import prefill_all
 
     engine = make_engine(max_num_batched_tokens=64, prefill_chunk_size=32)
     for i in range(6):

@@ -1,0 +1,37 @@
+"""What the engine benches share: bringing a batch to its decode steps, and timing parts of a step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from workers.engine.engine import Engine
+
+
+def prefill_all(engine: Engine) -> None:
+    """Step until every request is admitted and a step runs decodes alone."""
+    while True:
+        result = engine.step()
+        if result.num_tokens == 0:
+            raise RuntimeError("a step ran nothing: the requests cannot all be admitted (KV blocks, max_num_seqs)")
+        if not engine.scheduler.waiting and result.is_decode_only:
+            return
+
+
+class PartTimer:
+    """Host seconds spent inside named methods (``{name: (object, method name)}``), summed over calls; each
+    method is replaced on its object by a timed wrapper."""
+
+    def __init__(self, parts: dict[str, tuple[Any, str]]):
+        self.seconds = dict.fromkeys(parts, 0.0)
+        for name, (owner, attr) in parts.items():
+            setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+
+    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.seconds[name] += time.perf_counter() - t0
+            return out
+        return timed
