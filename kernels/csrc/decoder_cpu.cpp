@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "tandem_cpu.h"
+#include "thread_team.h"
 
 namespace {
 
@@ -60,29 +61,33 @@ void decode_layers_(at::Tensor& h, at::TensorList weights, at::IntArrayRef forma
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
 
-  at::Tensor mlp_out;
-  for (int64_t i = 0; i < layers; ++i) {
-    const at::Tensor* w = weights.data() + i * kPerLayer;
-    const int64_t* fmt = formats.data() + i * kFormatsPerLayer;
-    // The previous layer's MLP output joins h in this layer's fused norm.
-    at::Tensor x = i == 0 ? tandem_cpu::rms_norm(h, w[0], eps) : tandem_cpu::add_rms_norm_(h, mlp_out, w[0], eps);
-    at::Tensor qkv = linear(x, w[1], fmt[0]);
-    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer ", i, ": qkv has ", qkv.size(1), " rows, heads need ",
-                q_size + 2 * kv_size);
-    if (w[2].numel()) qkv = qkv + w[2];
-    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({B, num_heads + num_kv_heads, D});
-    tandem_cpu::rope_(qk, cos, sin);  // Q and K heads are adjacent in each row: one pass rotates both
-    const at::Tensor q = qk.narrow(1, 0, num_heads).contiguous();
-    const at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, D});
-    at::Tensor layer_cache = kv_cache.select(0, i);
-    at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
-    tandem_cpu::store_kv(k, v, k_cache, v_cache, slots);
-    const at::Tensor o = tandem_cpu::paged_decode_attention(q, k_cache, v_cache, tables, lens, scale);
-    x = tandem_cpu::add_rms_norm_(h, linear(o.view({B, q_size}), w[3], fmt[1]), w[4], eps);
-    mlp_out = linear(tandem_cpu::silu_mul(linear(x, w[5], fmt[2])), w[6], fmt[3]);
-  }
-  h.add_(mlp_out);
+  const auto run_layers = [&] {
+    at::Tensor mlp_out;
+    for (int64_t i = 0; i < layers; ++i) {
+      const at::Tensor* w = weights.data() + i * kPerLayer;
+      const int64_t* fmt = formats.data() + i * kFormatsPerLayer;
+      // The previous layer's MLP output joins h in this layer's fused norm.
+      at::Tensor x = i == 0 ? tandem_cpu::rms_norm(h, w[0], eps) : tandem_cpu::add_rms_norm_(h, mlp_out, w[0], eps);
+      at::Tensor qkv = linear(x, w[1], fmt[0]);
+      TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer ", i, ": qkv has ", qkv.size(1), " rows, heads need ",
+                  q_size + 2 * kv_size);
+      if (w[2].numel()) qkv = qkv + w[2];
+      at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({B, num_heads + num_kv_heads, D});
+      tandem_cpu::rope_(qk, cos, sin);  // Q and K heads are adjacent in each row: one pass rotates both
+      const at::Tensor q = qk.narrow(1, 0, num_heads).contiguous();
+      const at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, D});
+      at::Tensor layer_cache = kv_cache.select(0, i);
+      at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
+      tandem_cpu::store_kv(k, v, k_cache, v_cache, slots);
+      const at::Tensor o = tandem_cpu::paged_decode_attention(q, k_cache, v_cache, tables, lens, scale);
+      x = tandem_cpu::add_rms_norm_(h, linear(o.view({B, q_size}), w[3], fmt[1]), w[4], eps);
+      mlp_out = linear(tandem_cpu::silu_mul(linear(x, w[5], fmt[2])), w[6], fmt[3]);
+    }
+    h.add_(mlp_out);
+  };
+  // The step's ~150 parallel loops (5 a layer) share one team of threads: thread_team.h.
+  tandem_cpu::with_team(run_layers);
 }
 
 }  // namespace

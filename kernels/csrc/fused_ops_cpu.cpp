@@ -26,6 +26,7 @@
 #include <limits>
 
 #include "tandem_cpu.h"
+#include "thread_team.h"
 
 namespace {
 
@@ -63,7 +64,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kFloat && w.numel() == x.size(1), "w must be [H] fp32");
   const int64_t M = x.size(0), H = x.size(1);
   at::Tensor out = at::empty({M, H}, x.options());
-  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       norm_row(x.data_ptr<float>() + m * x.stride(0), w.data_ptr<float>(), out.data_ptr<float>() + m * H, H,
                static_cast<float>(eps));
@@ -76,7 +77,7 @@ at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w
   check_rows(d, "d");
   TORCH_CHECK(h.sizes() == d.sizes(), "h and d must have one shape");
   const int64_t M = h.size(0), H = h.size(1);
-  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       float* hr = h.data_ptr<float>() + m * h.stride(0);
       const float* dr = d.data_ptr<float>() + m * d.stride(0);
@@ -91,7 +92,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   TORCH_CHECK(gu.size(1) % 2 == 0, "gu must hold gate and up halves");
   const int64_t M = gu.size(0), I = gu.size(1) / 2;
   at::Tensor out = at::empty({M, I}, gu.options());
-  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* g = gu.data_ptr<float>() + m * gu.stride(0);
       at::vec::map2([](Vec a, Vec b) { return a / (Vec(1.f) + a.neg().exp_u20()) * b; },
@@ -107,7 +108,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
                   cos.size(1) == x.size(2) && sin.sizes() == cos.sizes(),
               "cos and sin must be [T, D] contiguous");
   const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
-  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos.data_ptr<float>() + t * D;
       const float* s = sin.data_ptr<float>() + t * D;
@@ -149,7 +150,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), V = x.size(1);
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x.data_ptr<float>() + r * x.stride(0), V);
   });
   return out;

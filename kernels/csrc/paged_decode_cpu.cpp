@@ -36,6 +36,7 @@
 
 #include "head_dispatch.h"
 #include "tandem_cpu.h"
+#include "thread_team.h"
 
 namespace {
 
@@ -201,7 +202,7 @@ void score_int8(const float* q_scaled, const int8_t* k_cache, const int32_t* tab
 constexpr int64_t kMinSplitTokens = 128, kMaxSplits = 64;
 
 int64_t token_splits(int64_t items, int64_t max_len) {
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = tandem_cpu::num_threads();
   if (threads <= 1 || items >= 2 * threads) return 1;
   const int64_t want = (2 * threads + items - 1) / items;
   return std::max<int64_t>(1, std::min({want, max_len / kMinSplitTokens, kMaxSplits}));
@@ -258,7 +259,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     part_max.assign(items * splits * s.per_kv, 0.f);
     part_sum.assign(items * splits * s.per_kv, 0.f);  // 0: a range past its sequence's end
   }
-  at::parallel_for(0, items * splits, 1, [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, items * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, q_scaled(s.per_kv * D);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t item = work / splits, part = work % splits;

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "thread_team.h"
+
 namespace tandem_quant {
 
 constexpr int64_t kBlock = 32;
@@ -68,7 +70,7 @@ inline void quantize_block(const float* x, int8_t* q, float* scale, float* sum) 
 inline QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock;
   QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
-  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       quantize_block(x + i * kBlock, out.q.data() + i * kBlock, &out.scale[i], &out.sum[i]);
   });

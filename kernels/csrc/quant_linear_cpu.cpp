@@ -139,7 +139,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w) {
   float* yp = y.data_ptr<float>();
   // Each thread walks its own weight rows; every row meets all of x (M small: x stays in L1/L2).
   const QuantizedX qx = quantize_x(xp, M, K);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     linear_block<F>(qx, M, K, wp, row_bytes, yp, N, begin, end);
   });
   return y;

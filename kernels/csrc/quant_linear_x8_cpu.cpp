@@ -38,6 +38,7 @@
 
 #include "quant_blocks.h"
 #include "tandem_cpu.h"
+#include "thread_team.h"
 
 namespace {
 
@@ -157,7 +158,8 @@ at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
                                                      : &avx512_vnni::x8_pair_groups<kQ4_1>;
   if (isa == tandem_cpu::Isa::kAvxVnni) groups_fn = &avx_vnni::x8_groups<kQ4_1>;
   // Each thread walks its own groups of weight rows; every group meets all of x (M small: x stays in L1/L2).
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) { groups_fn(qx, M, nb, wp, begin, end, yp, N); });
+  tandem_cpu::parallel_for(0, groups, 4,
+                           [&](int64_t begin, int64_t end) { groups_fn(qx, M, nb, wp, begin, end, yp, N); });
   return y;
 }
 

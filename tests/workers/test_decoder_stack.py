@@ -106,3 +106,18 @@ def test_the_stack_refuses_a_malformed_call(quantized_model) -> None:
     cos = torch.ones(1, cfg.head_dim)
     with pytest.raises(RuntimeError, match="one layer per 7 weights"):
         stack.run_(h, cos, cos, kv, one.long(), one[None], one + 1, scale=1.0, eps=1e-5)
+
+
+def test_an_error_inside_the_step_leaves_the_stack_working(quantized_model) -> None:
+    """A check that fails mid-step (layer 0's QKV rows against too many heads) raises from inside the step's
+    thread team (kernels/csrc/thread_team.h); the team's threads are released and the next step runs."""
+    stack = quantized_model.decoder_stack
+    cfg = quantized_model.config
+    h = torch.zeros(1, cfg.hidden_size)
+    kv = torch.zeros(cfg.num_layers, 2, 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    one = torch.zeros(1, dtype=torch.int32)
+    cos = torch.ones(1, cfg.head_dim)
+    wrong = dataclasses.replace(stack, num_heads=cfg.num_heads + cfg.num_kv_heads)
+    with pytest.raises(RuntimeError, match="layer 0: qkv has"):
+        wrong.run_(h, cos, cos, kv, one.long(), one[None], one + 1, scale=1.0, eps=1e-5)
+    assert_stack_matches_loop(quantized_model)

@@ -1,0 +1,59 @@
+"""The decode step's thread team (kernels/csrc/thread_team.h): its parallel_for splits a range into
+at::parallel_for's chunks (so kernels give the same bits in a team and out of one), and an exception in any
+thread's chunk comes back to the caller without leaving the team's threads waiting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_kernel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built() -> None:
+    if not cpu_kernel.available():
+        pytest.skip(f"the CPU kernels cannot be built here: {cpu_kernel.unavailable_reason()}")
+
+
+@pytest.fixture
+def threads(request: pytest.FixtureRequest):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def aten_chunks(n: int, grain: int, threads: int) -> list[int]:
+    """at::parallel_for's split of [0, n) (ATen/ParallelOpenMP.h): inline up to the grain, else at most one
+    chunk a thread and none smaller than the grain."""
+    if n <= grain or threads == 1:
+        return [0, n]
+    tasks = min(threads, -(-n // grain))
+    chunk = -(-n // tasks)
+    return [x for b in range(0, n, chunk) for x in (b, min(n, b + chunk))]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+@pytest.mark.parametrize(("n", "grain"), [(1, 1), (2, 1), (5, 1), (64, 4), (100, 16), (16, 16), (17, 16),
+                                          (1000, 256)])
+def test_team_chunks_are_aten_chunks(threads: int, n: int, grain: int) -> None:
+    assert list(torch.ops.tandem_cpu.team_chunks(n, grain, -1)) == aten_chunks(n, grain, threads)
+
+
+@pytest.mark.parametrize("threads", [2, 3], indirect=True)
+def test_an_error_in_any_chunk_reaches_the_caller_and_the_team_goes_on(threads: int) -> None:
+    chunks = aten_chunks(90, 1, threads)
+    for begin in chunks[::2]:  # the leader's chunk, then each worker's
+        with pytest.raises(RuntimeError, match=f"chunk at {begin} threw"):
+            torch.ops.tandem_cpu.team_chunks(90, 1, begin)
+        assert list(torch.ops.tandem_cpu.team_chunks(90, 1, -1)) == chunks
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+def test_the_team_can_be_switched_off_for_a_b_runs(threads: int) -> None:
+    assert torch.ops.tandem_cpu.set_step_team(False) is True
+    try:
+        assert list(torch.ops.tandem_cpu.team_chunks(64, 4, -1)) == aten_chunks(64, 4, threads)
+    finally:
+        assert torch.ops.tandem_cpu.set_step_team(True) is False
