@@ -74,7 +74,7 @@ void decode_layers_(at::Tensor& h, at::TensorList weights, at::IntArrayRef forma
       if (w[2].numel()) qkv = qkv + w[2];
       at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({B, num_heads + num_kv_heads, D});
       tandem_cpu::rope_(qk, cos, sin);  // Q and K heads are adjacent in each row: one pass rotates both
-      const at::Tensor q = qk.narrow(1, 0, num_heads).contiguous();
+      const at::Tensor q = qk.narrow(1, 0, num_heads);  // attention reads rows of QKV in place
       const at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, D});
       at::Tensor layer_cache = kv_cache.select(0, i);

@@ -20,15 +20,18 @@ constexpr int64_t head_row(int64_t d) {
   return std::is_same_v<T, int8_t> ? d + kInt8RowScaleBytes : d;
 }
 
-// q [T, H, D] fp32 against caches [num_blocks, block_size, KVH, D] (int8: D + 4) of one dtype, contiguous.
-inline void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+// q [T, H, D] fp32 against caches [num_blocks, block_size, KVH, D] (int8: D + 4) of one dtype, contiguous; q's
+// rows may lie apart (a view of a fused QKV) where `strided_rows`, each row's heads still one run of H * D.
+inline void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   bool strided_rows = false) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be fp32");
   const at::ScalarType cache_type = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == cache_type &&
                   (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kChar),
               "the caches must both be fp32, both fp16 or both int8");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous tensors only");
+  const bool q_rows_ok = strided_rows ? q.stride(2) == 1 && q.stride(1) == q.size(2) : q.is_contiguous();
+  TORCH_CHECK(q_rows_ok && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous tensors only");
   const bool int8 = cache_type == at::kChar;
   TORCH_CHECK(k_cache.size(3) == q.size(2) + (int8 ? kInt8RowScaleBytes : 0) && q.size(1) % k_cache.size(2) == 0,
               "head shapes disagree: rows of ", k_cache.size(3), " for queries of ", q.size(2),

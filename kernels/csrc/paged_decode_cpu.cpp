@@ -8,7 +8,7 @@
 // 256-bit and 512-bit vectors and follow the kernels' instruction set (cpu_isa.cpp); the softmax is
 // written with ATen's own vector types (at::vec), as PyTorch's CPU attention kernels are.
 //
-//   q [B, H, D] fp32, k_cache/v_cache [num_blocks, block_size, KVH, D] fp32 or fp16, block_tables [B, M] int32,
+//   q [B, H, D] fp32 (rows may be strided: a view of QKV), k_cache/v_cache [num_blocks, block_size, KVH, D] fp32 or fp16, block_tables [B, M] int32,
 //   seq_lens [B] int32, scale  ->  out [B, H, D] fp32
 //
 // An int8 cache is [num_blocks, block_size, KVH, D + 4]: each head row holds D values quantized symmetrically
@@ -20,7 +20,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -237,6 +237,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const Shape s{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), k_cache.size(1), block_tables.size(1),
                 k_cache.size(2) * head_row<T>(D), head_row<T>(D)};
   const float* qp = q.data_ptr<float>();
+  const int64_t q_row = q.stride(0);
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -266,7 +267,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t b = item / s.kv_heads, g = item % s.kv_heads;
       const int64_t start = part * range_len, len = std::min<int64_t>(lens[b] - start, range_len);
       if (len <= 0) continue;
-      const float* qg = qp + (b * s.num_heads + g * s.per_kv) * D;
+      const float* qg = qp + b * q_row + g * s.per_kv * D;
       for (int64_t i = 0; i < s.per_kv * D; ++i) q_scaled[i] = qg[i] * scale;
       const int32_t* table = tables + b * s.max_blocks + start / s.block_size;
       const bool whole = splits == 1;  // a whole sequence writes its output; a range leaves its part to merge
@@ -335,12 +336,12 @@ namespace tandem_cpu {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-  tandem_cpu::check_attention_inputs(q, k_cache, v_cache);
+  tandem_cpu::check_attention_inputs(q, k_cache, v_cache, /*strided_rows=*/true);
   const at::ScalarType cache_type = k_cache.scalar_type();
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables only");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous tensors only");
   TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxHeadsPerKV, "too many query heads per KV head");
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty(q.sizes(), q.options());
   const float fscale = static_cast<float>(scale);
   tandem_cpu::with_head_and_cache(q.size(2), cache_type, [&](auto d, auto t) {
     attend<decltype(d)::value, decltype(t)>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);

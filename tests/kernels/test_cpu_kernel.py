@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from kernels import cpu_kernel, paged_decode_attention, resolve_backend
+from kernels import cpu_kernel, kv_quant, paged_decode_attention, resolve_backend
 from kernels.host_math import cdiv
 from kernels.reference import paged_decode_attention_ref
 from tests.kernels.test_triton_kernels import make_cache, shuffled_tables
@@ -64,6 +64,29 @@ def test_a_small_batch_splits_its_tokens_across_threads(seq_lens: list[int], gqa
                 assert (got - expected).abs().max().item() < 1e-4, (n, isa)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_queries_read_in_place_from_fused_qkv_rows(cache_dtype: torch.dtype) -> None:
+    """The compiled layer stack passes Q as a view of each token's QKV row (rows H + 2 KVH heads apart): the same
+    output, bit for bit, as from a contiguous copy; a view whose heads are not one run is refused."""
+    num_heads, num_kv_heads, seq_lens = 9, 3, [5, 40, 170]
+    num_blocks = len(seq_lens) * cdiv(max(seq_lens), 16) + 4
+    kc, vc = make_cache(num_blocks, 16, num_kv_heads, 64, torch.float32)
+    if cache_dtype == torch.int8:
+        kc, vc = kv_quant.quantize_rows(kc), kv_quant.quantize_rows(vc)
+    tables = shuffled_tables(seq_lens, 16, num_blocks)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    qkv = torch.randn(len(seq_lens), num_heads + 2 * num_kv_heads, 64) * 3
+    q_view = qkv[:, :num_heads]
+    assert not q_view.is_contiguous()
+    for isa in cpu_kernel.instruction_sets():
+        with cpu_kernel.instruction_set(isa):
+            want = torch.ops.tandem_cpu.paged_decode_attention(q_view.contiguous(), kc, vc, tables, lens, 0.125)
+            got = torch.ops.tandem_cpu.paged_decode_attention(q_view, kc, vc, tables, lens, 0.125)
+        assert torch.equal(got, want), isa
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.tandem_cpu.paged_decode_attention(qkv.transpose(1, 2)[:, :, :num_heads], kc, vc, tables, lens, 0.1)
 
 
 def test_default_cpu_backend_and_fallbacks() -> None:

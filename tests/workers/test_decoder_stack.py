@@ -46,36 +46,37 @@ def quantized_tiny_model() -> LlamaModel:
     return LlamaModel(cfg, weights, torch.device("cpu"), torch.float32)  # type: ignore[arg-type]
 
 
-def decode_step(model: LlamaModel, kv: torch.Tensor, seed: int) -> torch.Tensor:
-    """One decode-only step of len(SEQ_LENS) sequences over ``kv`` (written in place); their logits."""
+def decode_step(model: LlamaModel, kv: torch.Tensor, seed: int, seq_lens: list[int]) -> torch.Tensor:
+    """One decode-only step of len(seq_lens) sequences over ``kv`` (written in place); their logits."""
     g = torch.Generator().manual_seed(seed)
-    max_blocks = max(SEQ_LENS) // BLOCK + 1
-    tables = torch.arange(len(SEQ_LENS) * max_blocks, dtype=torch.int32).view(len(SEQ_LENS), max_blocks)
-    lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    max_blocks = max(seq_lens) // BLOCK + 1
+    tables = torch.arange(len(seq_lens) * max_blocks, dtype=torch.int32).view(len(seq_lens), max_blocks)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
     positions = lens.long() - 1
-    slots = tables[torch.arange(len(SEQ_LENS)), positions // BLOCK].long() * BLOCK + positions % BLOCK
+    slots = tables[torch.arange(len(seq_lens)), positions // BLOCK].long() * BLOCK + positions % BLOCK
     empty = torch.zeros(0, 1, dtype=torch.int32)
-    md = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(SEQ_LENS), decode_block_tables=tables,
+    md = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(seq_lens), decode_block_tables=tables,
                            decode_seq_lens=lens, prefill_block_tables=empty,
                            prefill_query_start_loc=torch.zeros(1, dtype=torch.int32), prefill_seq_lens=empty[:, 0],
                            backend="cpu")
-    ids = torch.randint(0, model.config.vocab_size, (len(SEQ_LENS),), generator=g)
-    return model.forward(ids, positions, kv, md, torch.arange(len(SEQ_LENS)))
+    ids = torch.randint(0, model.config.vocab_size, (len(seq_lens),), generator=g)
+    return model.forward(ids, positions, kv, md, torch.arange(len(seq_lens)))
 
 
-def assert_stack_matches_loop(model: LlamaModel, kv_dtype: torch.dtype = torch.float32) -> None:
+def assert_stack_matches_loop(model: LlamaModel, kv_dtype: torch.dtype = torch.float32,
+                              seq_lens: list[int] = SEQ_LENS) -> None:
     cfg = model.config
     stack = model.decoder_stack
     assert stack is not None, "quantized fp32 weights on CPU must take the compiled stack"
-    max_blocks = max(SEQ_LENS) // BLOCK + 1
-    kv = torch.randn(cfg.num_layers, 2, len(SEQ_LENS) * max_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim,
+    max_blocks = max(seq_lens) // BLOCK + 1
+    kv = torch.randn(cfg.num_layers, 2, len(seq_lens) * max_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim,
                      generator=torch.Generator().manual_seed(1))
     kv = kv_quant.quantize_rows(kv) if kv_dtype == torch.int8 else kv.to(kv_dtype)
     kv_loop = kv.clone()
-    got = decode_step(model, kv, seed=2)
+    got = decode_step(model, kv, seed=2, seq_lens=seq_lens)
     try:
         model.decoder_stack = None
-        want = decode_step(model, kv_loop, seed=2)
+        want = decode_step(model, kv_loop, seed=2, seq_lens=seq_lens)
     finally:
         model.decoder_stack = stack
     assert torch.isfinite(want).all() and want.std() > 0
@@ -90,6 +91,18 @@ def test_default_model_stack_is_bit_identical(quantized_model, kv_dtype: torch.d
 
 def test_biases_and_mixed_formats_are_bit_identical() -> None:
     assert_stack_matches_loop(quantized_tiny_model())
+
+
+def test_a_batch_of_nine_splits_its_rows_in_the_team_and_stays_bit_identical(quantized_model) -> None:
+    """From 5 rows the stack's norms, RoPE and SiLU split their rows across the step's thread team (4 a thread
+    at least, kernels/csrc/fused_ops_cpu.cpp); each row is still computed whole by one thread."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            assert_stack_matches_loop(quantized_model, torch.int8, seq_lens=[1, 5, 16, 17, 33, 40, 2, 9, 25])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_dense_weights_keep_the_python_loop(dense_model) -> None:
