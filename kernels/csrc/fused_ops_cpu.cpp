@@ -31,9 +31,10 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-// The fewest rows a thread takes: 16 where a split opens an OpenMP region; 4 in a decode step's thread team, where
-// a batch-8 step's norms, RoPE and SiLU (~0.5 ms a step on one thread) split for ~0.2 us each.
-int64_t row_grain() { return tandem_cpu::in_team() ? 4 : 16; }
+// The fewest rows a thread takes. Not fewer in a decode step's thread team: splitting a batch-8 step's norms,
+// RoPE and SiLU 4 rows a thread cut their own time (0.46 -> 0.33 ms a step) but slowed the step by ~0.2 ms
+// (bench_step_team): the rows then cross between the cores' caches around every op.
+constexpr int64_t kRowGrain = 16;
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, name,
@@ -66,7 +67,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kFloat && w.numel() == x.size(1), "w must be [H] fp32");
   const int64_t M = x.size(0), H = x.size(1);
   at::Tensor out = at::empty({M, H}, x.options());
-  tandem_cpu::parallel_for(0, M, row_grain(), [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       norm_row(x.data_ptr<float>() + m * x.stride(0), w.data_ptr<float>(), out.data_ptr<float>() + m * H, H,
                static_cast<float>(eps));
@@ -79,7 +80,7 @@ at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w
   check_rows(d, "d");
   TORCH_CHECK(h.sizes() == d.sizes(), "h and d must have one shape");
   const int64_t M = h.size(0), H = h.size(1);
-  tandem_cpu::parallel_for(0, M, row_grain(), [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       float* hr = h.data_ptr<float>() + m * h.stride(0);
       const float* dr = d.data_ptr<float>() + m * d.stride(0);
@@ -94,7 +95,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   TORCH_CHECK(gu.size(1) % 2 == 0, "gu must hold gate and up halves");
   const int64_t M = gu.size(0), I = gu.size(1) / 2;
   at::Tensor out = at::empty({M, I}, gu.options());
-  tandem_cpu::parallel_for(0, M, row_grain(), [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* g = gu.data_ptr<float>() + m * gu.stride(0);
       at::vec::map2([](Vec a, Vec b) { return a / (Vec(1.f) + a.neg().exp_u20()) * b; },
@@ -110,7 +111,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
                   cos.size(1) == x.size(2) && sin.sizes() == cos.sizes(),
               "cos and sin must be [T, D] contiguous");
   const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
-  tandem_cpu::parallel_for(0, T, row_grain(), [&](int64_t begin, int64_t end) {
+  tandem_cpu::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos.data_ptr<float>() + t * D;
       const float* s = sin.data_ptr<float>() + t * D;

@@ -103,8 +103,6 @@ void with_team(const std::function<void()>& body) {
 
 int64_t num_threads() { return t_team != nullptr ? t_team->size : at::get_num_threads(); }
 
-bool in_team() { return t_team != nullptr; }
-
 namespace detail {
 
 bool team_parallel_for(int64_t begin, int64_t end, int64_t grain,

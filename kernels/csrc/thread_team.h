@@ -28,9 +28,6 @@ void with_team(const std::function<void()>& body);
 // The threads a parallel_for shares its range among now: the team's, or at::get_num_threads().
 int64_t num_threads();
 
-// Whether this thread leads a team now (a split there costs ~0.2 us, not an OpenMP region's ~1-3 us).
-bool in_team();
-
 namespace detail {
 // The team this thread leads, if any: runs f over [begin, end) split into the team's chunks.
 bool team_parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);

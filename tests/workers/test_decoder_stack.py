@@ -93,9 +93,9 @@ def test_biases_and_mixed_formats_are_bit_identical() -> None:
     assert_stack_matches_loop(quantized_tiny_model())
 
 
-def test_a_batch_of_nine_splits_its_rows_in_the_team_and_stays_bit_identical(quantized_model) -> None:
-    """From 5 rows the stack's norms, RoPE and SiLU split their rows across the step's thread team (4 a thread
-    at least, kernels/csrc/fused_ops_cpu.cpp); each row is still computed whole by one thread."""
+def test_a_batch_of_nine_on_two_and_three_threads_is_bit_identical(quantized_model) -> None:
+    """Nine sequences (more than the team's threads share evenly in the attention), an int8 cache, 2 and 3
+    threads: the step's thread team splits its loops as the Python loop's calls do, so the bits agree."""
     threads = torch.get_num_threads()
     try:
         for n in (2, 3):
