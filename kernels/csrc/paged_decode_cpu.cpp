@@ -8,8 +8,8 @@
 // 256-bit and 512-bit vectors and follow the kernels' instruction set (cpu_isa.cpp); the softmax is
 // written with ATen's own vector types (at::vec), as PyTorch's CPU attention kernels are.
 //
-//   q [B, H, D] fp32 (rows may be strided: a view of QKV), k_cache/v_cache [num_blocks, block_size, KVH, D] fp32 or fp16, block_tables [B, M] int32,
-//   seq_lens [B] int32, scale  ->  out [B, H, D] fp32
+//   q [B, H, D] fp32 (its rows may lie apart: a view of QKV), k_cache/v_cache [num_blocks, block_size, KVH, D]
+//   fp32 or fp16, block_tables [B, M] int32, seq_lens [B] int32, scale  ->  out [B, H, D] fp32
 //
 // An int8 cache is [num_blocks, block_size, KVH, D + 4]: each head row holds D values quantized symmetrically
 // (x ~ q * scale, scale = max|x| / 127) and then its scale as 4 bytes of fp32, so a block is still one run of

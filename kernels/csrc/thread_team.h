@@ -1,11 +1,11 @@
 // One team of threads for a whole decode step, so the step's ~150 parallel loops (5 a layer: 4 matrices and
 // attention) do not each start and join an OpenMP team.
 //
-// at::parallel_for opens an OpenMP parallel region a call: ~1.2 us back to back on a 2-core Zen 5 VM and ~2.7 us
-// between the step's serial ops (a 64-row matrix: 1.6 us on one thread, 4.4 us on two), a tenth of a batch-1
-// step. Under `with_team`, the calling thread (the leader) runs the step's code as before while the other
-// threads spin in one region; each parallel_for hands them its range through one shared cache line and meets
-// them at a spin barrier (~0.2 us).
+// at::parallel_for opens an OpenMP parallel region a call: ~1.2 us back to back on a 2-core Zen 5 VM and up to
+// ~2.7 us between the step's serial ops (a 64-row matrix: 1.6 us on one thread, 4.4 us on two). Under
+// `with_team`, the calling thread (the leader) runs the step's code as before while the other threads spin in one
+// region; each parallel_for hands them its range through one shared cache line and meets them at a spin barrier
+// (~0.2 us). The default model's stack: batch 1 -8%, batch 8 -3% (bench_step_team.py).
 //
 //   tandem_cpu::with_team([&] { ... tandem_cpu::parallel_for(0, n, grain, f); ... });
 //
