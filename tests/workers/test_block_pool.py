@@ -52,6 +52,32 @@ def test_pool_basic_allocate_free_evict_events():
     assert pool.num_cached_blocks == 0 and pool.check_integrity()
 
 
+def test_uncached_blocks_go_first_lowest_ids_first_and_in_ascending_order():
+    """Free blocks without a hash are handed out before any cache is evicted, lowest ids first, so a batch's blocks
+    stay packed (decode attention reads neighbouring blocks faster); evicted cache keeps its LRU order; an
+    allocation's blocks come back in ascending order whatever order they were freed in."""
+    pool = BlockPool(8, BS)
+    a = pool.allocate(3)  # blocks 0, 1, 2
+    b = pool.allocate(3)  # blocks 3, 4, 5
+    assert a is not None and b is not None
+    assert [x.block_id for x in a + b] == [0, 1, 2, 3, 4, 5]
+    pool.cache_blocks(b[:2], [31, 32], [[1] * BS, [2] * BS], parent_hash=None)
+    pool.free(reversed(b))  # 5 (no hash) then 4, 3 (cached)
+    pool.free(reversed(a))  # 2, 1, 0: no hash
+    got = pool.allocate(4)
+    assert got is not None and [x.block_id for x in got] == [0, 1, 2, 5]  # uncached, lowest first; 6, 7 remain
+    assert pool.take_events() == [BlockStored((31, 32), None)] and pool.num_cached_blocks == 2  # nothing evicted
+    got = pool.allocate(3)  # 6, 7, then the oldest cache: block 4 (freed before 3)
+    assert got is not None and [x.block_id for x in got] == [4, 6, 7]
+    assert pool.take_events() == [BlockRemoved((32,))] and pool.check_integrity()
+    assert not pool.reset_prefix_cache()  # blocks are in use
+    pool.free(got)
+    pool.free(pool.blocks[i] for i in (0, 1, 2, 5))
+    assert pool.reset_prefix_cache() and pool.num_cached_blocks == 0 and pool.check_integrity()
+    again = pool.allocate(8)
+    assert again is not None and [x.block_id for x in again] == list(range(8))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_operations_keep_integrity(seed):
     rng = random.Random(seed)
