@@ -25,7 +25,7 @@ struct Team {
   int64_t size = 1;
   // The leader publishes a task by writing it, then bumping epoch; a worker that sees a new epoch reads it.
   alignas(64) std::atomic<uint64_t> epoch{0};
-  const std::function<void(int64_t, int64_t)>* fn = nullptr;
+  c10::function_ref<void(int64_t, int64_t)> fn;
   int64_t begin = 0, end = 0, chunk = 0, tasks = 0;
   bool exit = false;
   alignas(64) std::atomic<int64_t> done{0};  // workers finished with the current epoch's share
@@ -37,7 +37,7 @@ struct Team {
     const int64_t b = begin + tid * chunk;
     if (b >= end) return;
     try {
-      (*fn)(b, std::min(end, b + chunk));
+      fn(b, std::min(end, b + chunk));
     } catch (...) {
       const std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = std::current_exception();
@@ -71,20 +71,19 @@ thread_local Team* t_team = nullptr;  // the team this thread leads
 
 }  // namespace
 
-void with_team(const std::function<void()>& body) {
+void with_team(c10::function_ref<void()> body) {
   const int64_t threads = at::get_num_threads();
   if (!g_enabled || t_team != nullptr || threads <= 1 || at::in_parallel_region()) {
     body();
     return;
   }
-  Team team;
-  team.size = threads;
+  Team team;  // its size is set by the leader: the runtime may give fewer threads than asked
   std::exception_ptr leader_error;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t tid = omp_get_thread_num();
     if (tid == 0) {
-      team.size = omp_get_num_threads();  // the runtime may give fewer than asked
+      team.size = omp_get_num_threads();
       t_team = team.size > 1 ? &team : nullptr;
       try {
         body();
@@ -105,21 +104,19 @@ int64_t num_threads() { return t_team != nullptr ? t_team->size : at::get_num_th
 
 namespace detail {
 
-bool team_parallel_for(int64_t begin, int64_t end, int64_t grain,
-                       const std::function<void(int64_t, int64_t)>& f) {
+bool team_parallel_for(int64_t begin, int64_t end, int64_t grain, c10::function_ref<void(int64_t, int64_t)> f) {
   Team* team = t_team;
   if (team == nullptr) return false;
   // at::parallel_for's chunks: at most one a thread, none smaller than the grain.
   const int64_t range = end - begin;
   team->tasks = grain > 0 ? std::min<int64_t>(team->size, (range + grain - 1) / grain) : team->size;
   team->chunk = (range + team->tasks - 1) / team->tasks;
-  team->fn = &f;
+  team->fn = f;
   team->begin = begin;
   team->end = end;
   team->publish();
   team->run_share(0);
   team->wait_workers();
-  team->fn = nullptr;
   if (team->error) {
     std::exception_ptr error = std::exchange(team->error, nullptr);
     std::rethrow_exception(error);

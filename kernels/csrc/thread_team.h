@@ -15,22 +15,23 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/FunctionRef.h>
 
 #include <cstdint>
-#include <functional>
 
 namespace tandem_cpu {
 
 // Runs `body` on this thread with at::get_num_threads() - 1 workers waiting for its parallel_for calls. Nested
 // or on one thread: just runs body.
-void with_team(const std::function<void()>& body);
+void with_team(c10::function_ref<void()> body);
 
 // The threads a parallel_for shares its range among now: the team's, or at::get_num_threads().
 int64_t num_threads();
 
 namespace detail {
-// The team this thread leads, if any: runs f over [begin, end) split into the team's chunks.
-bool team_parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
+// The team this thread leads, if any: runs f over [begin, end) split into the team's chunks. A function_ref, not
+// a std::function: every kernel's parallel_for passes through here, in a team or not, and it allocates nothing.
+bool team_parallel_for(int64_t begin, int64_t end, int64_t grain, c10::function_ref<void(int64_t, int64_t)> f);
 }  // namespace detail
 
 template <typename F>
