@@ -14,6 +14,7 @@ from kernels import cpu_kernel, kv_quant, paged_decode_attention, resolve_backen
 from kernels.host_math import cdiv
 from kernels.reference import paged_decode_attention_ref
 from tests.kernels.test_triton_kernels import make_cache, shuffled_tables
+from tests.threads import torch_threads
 
 GQA = {1: (4, 4), 3: (9, 3), 8: (8, 1)}  # ratio -> (num_heads, num_kv_heads)
 CASES = list(itertools.product(GQA, cpu_kernel.HEAD_DIMS, [16, 32]))
@@ -54,16 +55,11 @@ def test_a_small_batch_splits_its_tokens_across_threads(seq_lens: list[int], gqa
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q = torch.randn(len(seq_lens), num_heads, 64) * 3
     expected = paged_decode_attention_ref(q, kc, vc, tables, lens, scale=0.125)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2, 4):
-            torch.set_num_threads(n)
-            for isa in cpu_kernel.instruction_sets():
-                with cpu_kernel.instruction_set(isa):
-                    got = cpu_kernel.paged_decode_attention(q, kc, vc, tables, lens, scale=0.125)
-                assert (got - expected).abs().max().item() < 1e-4, (n, isa)
-    finally:
-        torch.set_num_threads(threads)
+    for n in (1, 2, 4):
+        for isa in cpu_kernel.instruction_sets():
+            with torch_threads(n), cpu_kernel.instruction_set(isa):
+                got = cpu_kernel.paged_decode_attention(q, kc, vc, tables, lens, scale=0.125)
+            assert (got - expected).abs().max().item() < 1e-4, (n, isa)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])

@@ -12,6 +12,7 @@ import torch
 from kernels import cpu_kernel, kv_quant, paged_prefill_attention
 from kernels.reference import paged_prefill_attention_ref
 from tests.kernels.test_triton_kernels import shuffled_tables
+from tests.threads import torch_threads
 
 GQA = {1: (4, 4), 3: (9, 3), 8: (8, 1)}  # ratio -> (num_heads, num_kv_heads)
 DTYPES = (torch.float32, torch.float16, torch.int8)
@@ -69,14 +70,10 @@ def test_any_thread_count_gives_the_same_rows(threads: int) -> None:
     """Items are taken from a shared counter, longest first: each is still computed whole, by one thread."""
     kc, vc, k64, v64 = cache(100, 16, 3, 64, torch.int8, seed=1)
     q, tables, qsl, lens = packed([(500, 468), (37, 37), (200, 9)], 9, 64, 16, 100, seed=2)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         single = cpu_kernel.paged_prefill_attention(q, kc, vc, tables, qsl, lens, scale=0.125)
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         got = cpu_kernel.paged_prefill_attention(q, kc, vc, tables, qsl, lens, scale=0.125)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(got, single)
     expected = paged_prefill_attention_ref(q.double(), k64, v64, tables, qsl, lens, scale=0.125)
     assert (got.double() - expected).abs().max().item() < 1e-4  # fp32 sums and exp_u20, outputs of ~1-4

@@ -16,6 +16,7 @@ from kernels.host_math import cdiv
 from kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 from kernels.torch_paged import paged_prefill_attention_torch, store_kv_torch
 from tests.kernels.test_triton_kernels import shuffled_tables
+from tests.threads import torch_threads
 
 GQA = {1: (4, 4), 3: (9, 3), 8: (8, 1)}  # ratio -> (num_heads, num_kv_heads)
 CASES = list(itertools.product(GQA, cpu_kernel.HEAD_DIMS, [16, 32]))
@@ -94,14 +95,10 @@ def test_split_sequences_read_the_scales_of_their_own_ranges(seq_lens: list[int]
     q = torch.randn(len(seq_lens), 9, 64) * 3
     expected = paged_decode_attention_ref(q.double(), kv_quant.dequantize_rows(kc, torch.float64),
                                           kv_quant.dequantize_rows(vc, torch.float64), tables, lens, scale=0.125)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2, 4):
-            torch.set_num_threads(n)
+    for n in (1, 2, 4):
+        with torch_threads(n):
             got = cpu_kernel.paged_decode_attention(q, kc, vc, tables, lens, scale=0.125)
-            assert (got.double() - expected).abs().max().item() < QUERY_ROUNDING, n
-    finally:
-        torch.set_num_threads(threads)
+        assert (got.double() - expected).abs().max().item() < QUERY_ROUNDING, n
 
 
 def test_an_int8_cache_stays_close_to_the_exact_one() -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import cpu_kernel
+from tests.threads import torch_threads
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -18,10 +19,8 @@ def kernel_built() -> None:
 
 @pytest.fixture
 def threads(request: pytest.FixtureRequest):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    with torch_threads(request.param):
+        yield request.param
 
 
 def aten_chunks(n: int, grain: int, threads: int) -> list[int]:

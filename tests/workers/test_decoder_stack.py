@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType, quantize
 
 from kernels import cpu_kernel, kv_quant
 from kernels.quant_linear import QuantizedWeight
+from tests.threads import torch_threads
 from tests.tiny_model import random_weights, tiny_config
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.llama import LlamaModel
@@ -96,13 +97,9 @@ def test_biases_and_mixed_formats_are_bit_identical() -> None:
 def test_a_batch_of_nine_on_two_and_three_threads_is_bit_identical(quantized_model) -> None:
     """Nine sequences (more than the team's threads share evenly in the attention), an int8 cache, 2 and 3
     threads: the step's thread team splits its loops as the Python loop's calls do, so the bits agree."""
-    threads = torch.get_num_threads()
-    try:
-        for n in (2, 3):
-            torch.set_num_threads(n)
+    for n in (2, 3):
+        with torch_threads(n):
             assert_stack_matches_loop(quantized_model, torch.int8, seq_lens=[1, 5, 16, 17, 33, 40, 2, 9, 25])
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_dense_weights_keep_the_python_loop(dense_model) -> None:
