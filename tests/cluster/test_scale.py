@@ -94,10 +94,10 @@ class SteadyLoad:
         while not self.stop.is_set():
             n += 1
             try:
-                # 160 tokens each (no early stop), so a worker scaled away a second later still holds one (at
-                # 48 the quantized decode finished them first, about half the time).
+                # 320 tokens each (no early stop): ~1.3 s at 4 ms a token, so a request that just reached a
+                # worker is still there when the drain starts (at 160 a CI run's drain found none in flight).
                 stream = client.chat.completions.create(
-                    model="SmolLM2-135M-Instruct", stream=True, max_tokens=160, temperature=0,
+                    model="SmolLM2-135M-Instruct", stream=True, max_tokens=320, temperature=0,
                     extra_body={"ignore_eos": True},
                     messages=[{"role": "user", "content": f"User {i}, question {n}: name a colour."}])
                 reasons = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
@@ -118,6 +118,18 @@ def status(url: str) -> dict:  # type: ignore[type-arg]
     return httpx.get(f"{url}/cluster/status", timeout=10).json()
 
 
+def wait_for_arrival(url: str, worker: str, timeout_s: float) -> None:
+    """Return once the worker's running count rises between two polls: a request has just arrived there."""
+    def running() -> int:
+        return sum(w["num_running"] for w in status(url)["workers"] if w["id"] == worker)
+    before = running()
+    deadline = time.monotonic() + timeout_s
+    while (now := running()) <= before:
+        assert time.monotonic() < deadline, f"timed out waiting for a request to reach {worker}"
+        before = now
+        time.sleep(0.05)
+
+
 def wait_until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -136,9 +148,9 @@ def test_decode_1_to_2_to_1_under_steady_load_fails_no_request(serve, capsys):
         assert "targets: prefill 1, decode 2" in up.stdout and up.stdout.strip().endswith("draining: -)")
         assert sorted(w["id"] for w in status(serve.url)["workers"]) == ["decode-0", "decode-1", "prefill-0"]
         wait_until(lambda: finished_on(serve.url, "decode-1") >= 3, 120, "decode-1 to serve requests")
-        # Scale down while decode-1 holds requests (its load report says so).
-        wait_until(lambda: any(w["id"] == "decode-1" and w["num_running"] > 0 for w in status(serve.url)["workers"]),
-                   60, "decode-1 to hold a request")
+        # Scale down right after a request reaches decode-1 (its load report's count rises), so that request has
+        # nearly all its tokens left: one merely seen running could end in the ~0.2 s before the drain starts.
+        wait_for_arrival(serve.url, "decode-1", 60)
         served_before = load.ok
         # The CLI in this process: a fresh one takes ~3 s to start, long enough for decode-1's request to end.
         assert cli_main(["scale", "decode=1", "--wait", "--url", serve.url]) == 0, serve.text()
