@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "tandem_cpu.h"
 #include "thread_team.h"
@@ -28,6 +29,20 @@ namespace {
 
 constexpr int64_t kPerLayer = 7;
 constexpr int64_t kFormatsPerLayer = 4;
+constexpr int64_t kMatrixSlots[kFormatsPerLayer] = {1, 3, 5, 6};  // qkv, o_proj, gate_up, down among a layer's 7
+
+// The step's matrices in the order it multiplies them (those in x8 formats: the others' threads split them by
+// rows of 16, and they are not the default), for the team's workers to prefetch (thread_team.h).
+std::vector<tandem_cpu::PrefetchTarget> prefetch_plan(at::TensorList weights, at::IntArrayRef formats) {
+  std::vector<tandem_cpu::PrefetchTarget> plan;
+  for (size_t i = 0; i < formats.size(); ++i) {
+    const int64_t layer = static_cast<int64_t>(i) / kFormatsPerLayer, matrix = static_cast<int64_t>(i) % kFormatsPerLayer;
+    const at::Tensor& w = weights[layer * kPerLayer + kMatrixSlots[matrix]];
+    const bool x8 = formats[i] >= 2 && w.dim() == 2 && w.scalar_type() == at::kByte;  // else linear() refuses it
+    plan.push_back(x8 ? tandem_cpu::x8_prefetch_target(w) : tandem_cpu::PrefetchTarget{nullptr, 0, 0, 1});
+  }
+  return plan;
+}
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t format) {
   switch (format) {
@@ -61,14 +76,20 @@ void decode_layers_(at::Tensor& h, at::TensorList weights, at::IntArrayRef forma
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
 
+  const std::vector<tandem_cpu::PrefetchTarget> plan = prefetch_plan(weights, formats);
   const auto run_layers = [&] {
+    tandem_cpu::prefetch_plan(plan.data(), static_cast<int64_t>(plan.size()));
+    // The layer's matrix j is plan entry 4i + j: the workers prefetch the two after the one the leader is on.
+    const auto multiply = [&](int64_t i, int64_t j, const at::Tensor& x) {
+      tandem_cpu::prefetch_reached(i * kFormatsPerLayer + j);
+      return linear(x, weights[i * kPerLayer + kMatrixSlots[j]], formats[i * kFormatsPerLayer + j]);
+    };
     at::Tensor mlp_out;
     for (int64_t i = 0; i < layers; ++i) {
       const at::Tensor* w = weights.data() + i * kPerLayer;
-      const int64_t* fmt = formats.data() + i * kFormatsPerLayer;
       // The previous layer's MLP output joins h in this layer's fused norm.
       at::Tensor x = i == 0 ? tandem_cpu::rms_norm(h, w[0], eps) : tandem_cpu::add_rms_norm_(h, mlp_out, w[0], eps);
-      at::Tensor qkv = linear(x, w[1], fmt[0]);
+      at::Tensor qkv = multiply(i, 0, x);
       TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer ", i, ": qkv has ", qkv.size(1), " rows, heads need ",
                   q_size + 2 * kv_size);
       if (w[2].numel()) qkv = qkv + w[2];
@@ -81,8 +102,8 @@ void decode_layers_(at::Tensor& h, at::TensorList weights, at::IntArrayRef forma
       at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
       tandem_cpu::store_kv(k, v, k_cache, v_cache, slots);
       const at::Tensor o = tandem_cpu::paged_decode_attention(q, k_cache, v_cache, tables, lens, scale);
-      x = tandem_cpu::add_rms_norm_(h, linear(o.view({B, q_size}), w[3], fmt[1]), w[4], eps);
-      mlp_out = linear(tandem_cpu::silu_mul(linear(x, w[5], fmt[2])), w[6], fmt[3]);
+      x = tandem_cpu::add_rms_norm_(h, multiply(i, 1, o.view({B, q_size})), w[4], eps);
+      mlp_out = multiply(i, 3, tandem_cpu::silu_mul(multiply(i, 2, x)));
     }
     h.add_(mlp_out);
   };

@@ -45,6 +45,7 @@ namespace {
 using namespace tandem_quant;
 
 constexpr int64_t kX8Rows = 8;
+constexpr int64_t kGroupGrain = 4;  // groups of 8 rows: the least a thread takes of a matrix
 
 struct Q4_1x8 {
   static constexpr int64_t kBytes = 160, kSourceBytes = kQ4_1Bytes;
@@ -158,7 +159,7 @@ at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
                                                      : &avx512_vnni::x8_pair_groups<kQ4_1>;
   if (isa == tandem_cpu::Isa::kAvxVnni) groups_fn = &avx_vnni::x8_groups<kQ4_1>;
   // Each thread walks its own groups of weight rows; every group meets all of x (M small: x stays in L1/L2).
-  tandem_cpu::parallel_for(0, groups, 4,
+  tandem_cpu::parallel_for(0, groups, kGroupGrain,
                            [&](int64_t begin, int64_t end) { groups_fn(qx, M, nb, wp, begin, end, yp, N); });
   return y;
 }
@@ -186,6 +187,10 @@ namespace tandem_cpu {
 
 at::Tensor q4_1x8_linear(const at::Tensor& x, const at::Tensor& w) { return x8_linear<Q4_1x8>(x, w); }
 at::Tensor q8_0x8_linear(const at::Tensor& x, const at::Tensor& w) { return x8_linear<Q8_0x8>(x, w); }
+
+PrefetchTarget x8_prefetch_target(const at::Tensor& w) {
+  return {w.data_ptr<uint8_t>(), w.size(1), w.size(0), kGroupGrain};
+}
 
 }  // namespace tandem_cpu
 

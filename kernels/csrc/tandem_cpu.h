@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "thread_team.h"
+
 namespace tandem_cpu {
 
 // cpu_isa.cpp: the instruction set the kernels use now (the CPU's best unless set_isa narrowed it)
@@ -24,6 +26,8 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w);
 // quant_linear_x8_cpu.cpp: the same blocks interleaved by 8 rows, w [N / 8, K / 32 * 160 (Q4_1) or 272 (Q8_0)]
 at::Tensor q4_1x8_linear(const at::Tensor& x, const at::Tensor& w);
 at::Tensor q8_0x8_linear(const at::Tensor& x, const at::Tensor& w);
+// w (either x8 format) as the rows q4_1x8_linear / q8_0x8_linear split among a thread team (thread_team.h)
+PrefetchTarget x8_prefetch_target(const at::Tensor& w);
 
 // fused_ops_cpu.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

@@ -1,5 +1,5 @@
 // thread_team.h's team: an OpenMP region held open for the leader's body, its workers spinning on a shared
-// epoch for the next range.
+// epoch for the next range and, while they wait, pulling their shares of the prefetch plan's next matrix into cache.
 
 #include "thread_team.h"
 
@@ -20,6 +20,17 @@ namespace tandem_cpu {
 namespace {
 
 bool g_enabled = true;  // set_step_team: off runs each parallel_for on its own OpenMP team (A/B benchmarks)
+bool g_prefetch = true;  // set_team_prefetch: off ignores prefetch plans (A/B benchmarks)
+
+// Thread tid's rows of a target under parallel_for's split (at::parallel_for's: at most one chunk a thread, none
+// under the grain), as [first, last) in bytes from its base.
+std::pair<int64_t, int64_t> share_bytes(const PrefetchTarget& t, int64_t tid, int64_t threads) {
+  const int64_t grain = std::max<int64_t>(t.grain, 1);
+  const int64_t tasks = std::min<int64_t>(threads, (t.units + grain - 1) / grain);
+  if (tid >= tasks) return {0, 0};
+  const int64_t chunk = (t.units + tasks - 1) / tasks;
+  return {std::min(t.units, tid * chunk) * t.unit_bytes, std::min(t.units, (tid + 1) * chunk) * t.unit_bytes};
+}
 
 struct Team {
   int64_t size = 1;
@@ -29,6 +40,10 @@ struct Team {
   int64_t begin = 0, end = 0, chunk = 0, tasks = 0;
   bool exit = false;
   alignas(64) std::atomic<int64_t> done{0};  // workers finished with the current epoch's share
+  // The prefetch plan: set once by the leader (release), read by the workers as they spin.
+  alignas(64) std::atomic<const PrefetchTarget*> plan{nullptr};
+  int64_t plan_count = 0;
+  std::atomic<int64_t> reached{-1};
   std::mutex error_mutex;
   std::exception_ptr error;
 
@@ -54,11 +69,43 @@ struct Team {
     while (done.load(std::memory_order_acquire) != size - 1) _mm_pause();
   }
 
+  // A worker's place in the plan: the target it prefetches, and what is left of its share there.
+  struct Lookahead {
+    int64_t index = -1;
+    const char *next = nullptr, *stop = nullptr;
+
+    void move_to(const PrefetchTarget* targets, int64_t count, int64_t i, int64_t tid, int64_t threads) {
+      index = i;
+      next = stop = nullptr;
+      if (i >= count) return;
+      const auto [first, last] = share_bytes(targets[i], tid, threads);
+      next = static_cast<const char*>(targets[i].base) + first;
+      stop = static_cast<const char*>(targets[i].base) + last;
+    }
+  };
+
+  // One turn of a waiting worker: 8 lines of its share of the target after the leader's (a task never waits on
+  // more than that), or a pause. Only the next target: looking two ahead was slower at batch 1 and 8 (the workers'
+  // extra reads compete with the leader's, which are the step's critical path).
+  void prefetch_turn(int64_t tid, Lookahead& at) {
+    const PrefetchTarget* targets = plan.load(std::memory_order_acquire);
+    if (targets != nullptr) {
+      const int64_t next_target = reached.load(std::memory_order_relaxed) + 1;
+      if (at.index != next_target) at.move_to(targets, plan_count, next_target, tid, size);
+      if (at.next < at.stop) {
+        for (int i = 0; i < 8 && at.next < at.stop; ++i, at.next += 64) _mm_prefetch(at.next, _MM_HINT_T0);
+        return;
+      }
+    }
+    _mm_pause();
+  }
+
   void work(int64_t tid) {
     uint64_t seen = 0;
+    Lookahead at;
     for (;;) {
       uint64_t now;
-      while ((now = epoch.load(std::memory_order_acquire)) == seen) _mm_pause();
+      while ((now = epoch.load(std::memory_order_acquire)) == seen) prefetch_turn(tid, at);
       seen = now;
       if (exit) return;
       run_share(tid);
@@ -100,6 +147,18 @@ void with_team(c10::function_ref<void()> body) {
   if (leader_error) std::rethrow_exception(leader_error);
 }
 
+void prefetch_plan(const PrefetchTarget* targets, int64_t count) {
+  Team* team = t_team;
+  if (team == nullptr || !g_prefetch || count <= 0) return;
+  TORCH_CHECK(team->plan.load(std::memory_order_relaxed) == nullptr, "a team takes one prefetch plan");
+  team->plan_count = count;
+  team->plan.store(targets, std::memory_order_release);  // publishes plan_count with it
+}
+
+void prefetch_reached(int64_t index) {
+  if (Team* team = t_team) team->reached.store(index, std::memory_order_relaxed);
+}
+
 int64_t num_threads() { return t_team != nullptr ? t_team->size : at::get_num_threads(); }
 
 namespace detail {
@@ -130,6 +189,18 @@ bool team_parallel_for(int64_t begin, int64_t end, int64_t grain, c10::function_
 namespace {
 
 bool set_step_team(bool on) { return std::exchange(tandem_cpu::g_enabled, on); }
+bool set_team_prefetch(bool on) { return std::exchange(tandem_cpu::g_prefetch, on); }
+
+// For the tests: the [first, last) bytes each of `threads` threads prefetches of a target of n one-byte units,
+// to set against team_chunks(n, grain).
+std::vector<int64_t> team_prefetch_shares(int64_t n, int64_t grain, int64_t threads) {
+  std::vector<int64_t> bounds;
+  for (int64_t tid = 0; tid < threads; ++tid) {
+    const auto [first, last] = tandem_cpu::share_bytes({nullptr, 1, n, grain}, tid, threads);
+    if (first < last) bounds.insert(bounds.end(), {first, last});
+  }
+  return bounds;
+}
 
 // For the tests: the chunks a team's parallel_for gives [0, n) with this grain, as [begin, end) pairs in order;
 // a chunk starting at throw_at throws (on whichever thread runs it).
@@ -154,5 +225,7 @@ std::vector<int64_t> team_chunks(int64_t n, int64_t grain, int64_t throw_at) {
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   // No tensor arguments, so no dispatch key: registered with their definitions (CatchAll).
   m.def("set_step_team(bool on) -> bool", &set_step_team);
+  m.def("set_team_prefetch(bool on) -> bool", &set_team_prefetch);
   m.def("team_chunks(int n, int grain, int throw_at) -> int[]", &team_chunks);
+  m.def("team_prefetch_shares(int n, int grain, int threads) -> int[]", &team_prefetch_shares);
 }

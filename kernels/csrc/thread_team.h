@@ -28,6 +28,22 @@ void with_team(c10::function_ref<void()> body);
 // The threads a parallel_for shares its range among now: the team's, or at::get_num_threads().
 int64_t num_threads();
 
+// Weights a team's parallel_for will walk later: `units` rows of `unit_bytes` at `base`, split with `grain`.
+struct PrefetchTarget {
+  const void* base;
+  int64_t unit_bytes, units, grain;
+};
+
+// The matrices the leader will multiply, in order (the array must outlive the team's body; one plan a team). While
+// they wait for a loop (the leader runs the serial ops between matrices: norms, RoPE, the KV store, at batch 1 on
+// one thread; or it still streams its own share), the workers pull their own shares (parallel_for's split) of the
+// target after the leader's into their caches, so the memory bus does not idle while only the leader computes.
+// Batch-1 stack -2 to -6% (bench_step_team.py; the engine's steps), batch 8 unchanged. Looking two targets ahead
+// was slower. No-op outside a team or while set_team_prefetch(false).
+void prefetch_plan(const PrefetchTarget* targets, int64_t count);
+// The leader starts on targets[index]: the workers look beyond it.
+void prefetch_reached(int64_t index);
+
 namespace detail {
 // The team this thread leads, if any: runs f over [begin, end) split into the team's chunks. A function_ref, not
 // a std::function: every kernel's parallel_for passes through here, in a team or not, and it allocates nothing.

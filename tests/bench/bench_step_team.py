@@ -1,14 +1,15 @@
-"""The compiled decode layer stack with and without its thread team, side by side in one run.
+"""The compiled decode layer stack without its thread team, with it, and with the team's workers prefetching
+the next matrix, side by side in one run.
 
     .venv/bin/python tests/bench/bench_step_team.py [--rounds 6] [--steps 40] [--context 170]
 
 A decode step on CPU runs ~150 parallel loops (5 a layer: 4 matrices and attention). Without the team each
 opens an OpenMP region (at::parallel_for); with it (kernels/csrc/thread_team.h) one region is held open for
-the step and each loop hands its range to threads already spinning. Measured on the default model's layer
-stack (30 layers, GGUF blocks, int8 KV cache) at batch 1 and 8: the median of ``--steps`` stack calls, team on
-and off alternating round by round (this machine's pace drifts by the quarter hour), then each side's median
-over the rounds and the ratio. Figures are the stack alone: the final norm, the head and the engine's host
-work are outside it.
+the step and each loop hands its range to threads already spinning; with its prefetch plan, a waiting worker
+pulls its share of the next matrix into its cache. Measured on the default model's layer stack (30 layers, GGUF
+blocks, int8 KV cache) at batch 1 and 8: the median of ``--steps`` stack calls, the three taking turns round by
+round (this machine's pace drifts by the quarter hour), then each one's median over the rounds and its speedup
+over no team. Figures are the stack alone: the final norm, the head and the engine's host work are outside it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernels import cpu_kernel  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
+
+# name: (step team on, its workers' prefetch plan on)
+CONFIGS = {"no team": (False, False), "team": (True, False), "team + prefetch": (True, True)}
 
 
 def stack_seconds(engine: Engine, batch: int, context: int, steps: int) -> float:
@@ -64,20 +68,24 @@ def main() -> None:
         sys.exit(f"the compiled CPU kernels are unavailable: {cpu_kernel.unavailable_reason()}")
     engine = Engine(EngineConfig(weight_format="gguf", num_kv_blocks=1024, enable_prefix_caching=False))
     print(f"threads {args.threads}; {args.rounds} rounds of {args.steps} stack calls, context {args.context}; "
-          f"team off and on alternating")
-    results: dict[tuple[int, bool], list[float]] = {}
+          f"{', '.join(CONFIGS)} taking turns")
+    results: dict[tuple[int, str], list[float]] = {}
     for _ in range(args.rounds + 1):  # the first round warms up and is not kept
         for batch in (1, 8):
-            for team in (False, True):
+            for name, (team, prefetch) in CONFIGS.items():
                 torch.ops.tandem_cpu.set_step_team(team)
-                results.setdefault((batch, team), []).append(
+                torch.ops.tandem_cpu.set_team_prefetch(prefetch)
+                results.setdefault((batch, name), []).append(
                     stack_seconds(engine, batch, args.context, args.steps))
     torch.ops.tandem_cpu.set_step_team(True)
-    print(f"{'batch':>5} {'team off ms':>12} {'team on ms':>11} {'saved ms':>9} {'off/on':>7}")
+    torch.ops.tandem_cpu.set_team_prefetch(True)
+    print(f"{'batch':>5} " + " ".join(f"{name + ' ms':>20}" for name in CONFIGS)
+          + " " + " ".join(f"{'no team / ' + name:>26}" for name in list(CONFIGS)[1:]))
     for batch in (1, 8):
-        off = statistics.median(results[(batch, False)][1:])
-        on = statistics.median(results[(batch, True)][1:])
-        print(f"{batch:>5} {off * 1e3:12.3f} {on * 1e3:11.3f} {(off - on) * 1e3:9.3f} {off / on:7.3f}")
+        ms = {name: 1e3 * statistics.median(results[(batch, name)][1:]) for name in CONFIGS}
+        base = ms["no team"]
+        print(f"{batch:>5} " + " ".join(f"{v:20.3f}" for v in ms.values())
+              + " " + " ".join(f"{base / ms[name]:26.3f}" for name in list(CONFIGS)[1:]))
 
 
 if __name__ == "__main__":

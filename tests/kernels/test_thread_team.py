@@ -56,3 +56,17 @@ def test_the_team_can_be_switched_off_for_a_b_runs(threads: int) -> None:
         assert list(torch.ops.tandem_cpu.team_chunks(64, 4, -1)) == aten_chunks(64, 4, threads)
     finally:
         assert torch.ops.tandem_cpu.set_step_team(True) is False
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+@pytest.mark.parametrize(("n", "grain"), [(1, 1), (5, 1), (64, 4), (72, 4), (120, 4), (100, 16), (17, 16)])
+def test_each_worker_prefetches_the_rows_its_chunk_will_take(threads: int, n: int, grain: int) -> None:
+    """A prefetch plan's shares (thread_team.h) are the team's chunks of the same range: a worker pulls into its
+    cache the rows it multiplies next, not its neighbour's."""
+    shares = list(torch.ops.tandem_cpu.team_prefetch_shares(n, grain, threads))
+    assert shares == list(torch.ops.tandem_cpu.team_chunks(n, grain, -1)) == aten_chunks(n, grain, threads)
+
+
+def test_the_prefetch_plan_can_be_switched_off_for_a_b_runs() -> None:
+    assert torch.ops.tandem_cpu.set_team_prefetch(False) is True
+    assert torch.ops.tandem_cpu.set_team_prefetch(True) is False
