@@ -59,9 +59,8 @@ class QuantizedWeight:
         per = ROWS_PER_DATA_ROW[self.format]
         if per == 1:
             return _dequantize(self.format, self.data[ids], self.in_features)
-        # Interleaved: each id's group of rows, dequantized, then its own row of the group.
-        groups = _dequantize(self.format, self.data[ids // per], self.in_features)
-        return groups[torch.arange(ids.shape[0], device=ids.device) * per + ids % per]
+        # Interleaved: each id's row picked out of its group's blocks in one compiled call.
+        return getattr(torch.ops.tandem_cpu, f"{self.format}_rows")(self.data, ids.long(), self.in_features)
 
 
 def supported() -> bool:

@@ -47,6 +47,15 @@ def test_dequantize_is_bit_exact(fmt: str) -> None:
     assert torch.equal(w.dequantize(), reference)
     ids = torch.tensor([5, 0, 36, 5, 31, 8])  # interleaved: rows from several groups, at several places in one
     assert torch.equal(w.rows(ids), reference[ids])
+    assert w.rows(ids[:0]).shape == (0, 96)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1x8", "q8_0x8"])
+def test_an_embedding_lookup_outside_the_table_is_refused(fmt: str) -> None:
+    w, _ = random_weight(fmt, 40, 96)
+    for bad in (40, -1):
+        with pytest.raises(RuntimeError, match=f"id {bad} is outside"):
+            w.rows(torch.tensor([3, bad]))
 
 
 def q8_rounded(x: torch.Tensor) -> torch.Tensor:
