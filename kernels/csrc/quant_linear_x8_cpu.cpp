@@ -159,8 +159,10 @@ at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
     groups_fn = M < tandem_cpu::min_rows_for_pairs() ? &avx512_vnni::x8_groups<kQ4_1>  // same bits (cpu_isa.cpp)
                                                      : &avx512_vnni::x8_pair_groups<kQ4_1>;
   if (isa == tandem_cpu::Isa::kAvxVnni) groups_fn = &avx_vnni::x8_groups<kQ4_1>;
-  // Each thread walks its own groups of weight rows; every group meets all of x (M small: x stays in L1/L2).
-  tandem_cpu::parallel_for(0, groups, kGroupGrain,
+  // Each thread walks its own groups of weight rows; every group meets all of x (M small: x stays in L1/L2). In a
+  // decode step's thread team the workers have prefetched theirs (x8_prefetch_target): a smaller share for the
+  // leader. A row's output does not depend on the cut (an odd group on the 256-bit loop gives the same bits).
+  tandem_cpu::prefetched_parallel_for(0, groups, kGroupGrain,
                            [&](int64_t begin, int64_t end) { groups_fn(qx, M, nb, wp, begin, end, yp, N); });
   return y;
 }

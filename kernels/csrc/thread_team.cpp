@@ -22,14 +22,46 @@ namespace {
 bool g_enabled = true;  // set_step_team: off runs each parallel_for on its own OpenMP team (A/B benchmarks)
 bool g_prefetch = true;  // set_team_prefetch: off ignores prefetch plans (A/B benchmarks)
 
-// Thread tid's rows of a target under parallel_for's split (at::parallel_for's: at most one chunk a thread, none
-// under the grain), as [first, last) in bytes from its base.
+// A loop's leader takes kLeaderWeight of a worker's share where the workers prefetched theirs: its rows come from
+// memory, theirs from cache. Measured at 2 threads (bench_step_team.py's stack, the leader's share 0.35-0.5 of a
+// matrix in turn): 0.43-0.47 were 5-7% faster than halves at batch 1, within 1-2% either way at batch 8; 0.40
+// and below slowed batch 8 by 5% and more.
+constexpr double kLeaderWeight = 0.8;
+
+// How a team's loop shares [0, range) among its threads: the leader [0, first), then worker t (1, 2, ...)
+// [first + (t - 1) * chunk, + chunk), all clipped to the range.
+struct Split {
+  int64_t tasks = 0, first = 0, chunk = 0;
+
+  std::pair<int64_t, int64_t> of(int64_t tid, int64_t range) const {
+    if (tid >= tasks) return {range, range};
+    const int64_t b = tid == 0 ? 0 : std::min(range, first + (tid - 1) * chunk);
+    return {b, std::min(range, tid == 0 ? first : b + chunk)};
+  }
+};
+
+// at::parallel_for's split (at most one chunk a thread, none under the grain: a kernel gives the same bits in a
+// team and out of one); for a prefetched loop, the leader's share smaller (kLeaderWeight), in whole grains.
+Split split_range(int64_t range, int64_t grain, int64_t threads, bool prefetched) {
+  grain = std::max<int64_t>(grain, 1);
+  Split s;
+  s.tasks = std::max<int64_t>(1, std::min<int64_t>(threads, (range + grain - 1) / grain));
+  if (!prefetched || s.tasks < 2) {
+    s.chunk = s.first = (range + s.tasks - 1) / s.tasks;
+    return s;
+  }
+  const double workers = static_cast<double>(s.tasks - 1);
+  const auto leader = static_cast<int64_t>(static_cast<double>(range) * kLeaderWeight / (kLeaderWeight + workers));
+  s.first = std::max(grain, leader / grain * grain);
+  const int64_t per_worker = (range - s.first + s.tasks - 2) / (s.tasks - 1);
+  s.chunk = (per_worker + grain - 1) / grain * grain;
+  return s;
+}
+
+// Thread tid's rows of a target, as its prefetched loop splits them, in bytes from its base.
 std::pair<int64_t, int64_t> share_bytes(const PrefetchTarget& t, int64_t tid, int64_t threads) {
-  const int64_t grain = std::max<int64_t>(t.grain, 1);
-  const int64_t tasks = std::min<int64_t>(threads, (t.units + grain - 1) / grain);
-  if (tid >= tasks) return {0, 0};
-  const int64_t chunk = (t.units + tasks - 1) / tasks;
-  return {std::min(t.units, tid * chunk) * t.unit_bytes, std::min(t.units, (tid + 1) * chunk) * t.unit_bytes};
+  const auto [first, last] = split_range(t.units, t.grain, threads, true).of(tid, t.units);
+  return {first * t.unit_bytes, last * t.unit_bytes};
 }
 
 struct Team {
@@ -37,7 +69,8 @@ struct Team {
   // The leader publishes a task by writing it, then bumping epoch; a worker that sees a new epoch reads it.
   alignas(64) std::atomic<uint64_t> epoch{0};
   c10::function_ref<void(int64_t, int64_t)> fn;
-  int64_t begin = 0, end = 0, chunk = 0, tasks = 0;
+  int64_t begin = 0, end = 0;
+  Split split;
   bool exit = false;
   alignas(64) std::atomic<int64_t> done{0};  // workers finished with the current epoch's share
   // The prefetch plan: set once by the leader (release), read by the workers as they spin.
@@ -48,11 +81,10 @@ struct Team {
   std::exception_ptr error;
 
   void run_share(int64_t tid) noexcept {
-    if (tid >= tasks) return;
-    const int64_t b = begin + tid * chunk;
-    if (b >= end) return;
+    const auto [b, e] = split.of(tid, end - begin);
+    if (b >= e) return;
     try {
-      fn(b, std::min(end, b + chunk));
+      fn(begin + b, begin + e);
     } catch (...) {
       const std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = std::current_exception();
@@ -163,13 +195,11 @@ int64_t num_threads() { return t_team != nullptr ? t_team->size : at::get_num_th
 
 namespace detail {
 
-bool team_parallel_for(int64_t begin, int64_t end, int64_t grain, c10::function_ref<void(int64_t, int64_t)> f) {
+bool team_parallel_for(int64_t begin, int64_t end, int64_t grain, c10::function_ref<void(int64_t, int64_t)> f,
+                       bool prefetched) {
   Team* team = t_team;
   if (team == nullptr) return false;
-  // at::parallel_for's chunks: at most one a thread, none smaller than the grain.
-  const int64_t range = end - begin;
-  team->tasks = grain > 0 ? std::min<int64_t>(team->size, (range + grain - 1) / grain) : team->size;
-  team->chunk = (range + team->tasks - 1) / team->tasks;
+  team->split = split_range(end - begin, grain, team->size, prefetched && g_prefetch);
   team->fn = f;
   team->begin = begin;
   team->end = end;
@@ -192,7 +222,7 @@ bool set_step_team(bool on) { return std::exchange(tandem_cpu::g_enabled, on); }
 bool set_team_prefetch(bool on) { return std::exchange(tandem_cpu::g_prefetch, on); }
 
 // For the tests: the [first, last) bytes each of `threads` threads prefetches of a target of n one-byte units,
-// to set against team_chunks(n, grain).
+// to set against team_chunks(n, grain, -1, prefetched=True).
 std::vector<int64_t> team_prefetch_shares(int64_t n, int64_t grain, int64_t threads) {
   std::vector<int64_t> bounds;
   for (int64_t tid = 0; tid < threads; ++tid) {
@@ -202,17 +232,19 @@ std::vector<int64_t> team_prefetch_shares(int64_t n, int64_t grain, int64_t thre
   return bounds;
 }
 
-// For the tests: the chunks a team's parallel_for gives [0, n) with this grain, as [begin, end) pairs in order;
-// a chunk starting at throw_at throws (on whichever thread runs it).
-std::vector<int64_t> team_chunks(int64_t n, int64_t grain, int64_t throw_at) {
+// For the tests: the chunks a team's parallel_for (or prefetched_parallel_for) gives [0, n) with this grain, as
+// [begin, end) pairs in order; a chunk starting at throw_at throws (on whichever thread runs it).
+std::vector<int64_t> team_chunks(int64_t n, int64_t grain, int64_t throw_at, bool prefetched) {
   std::vector<std::pair<int64_t, int64_t>> chunks;
   std::mutex mutex;
+  const auto body = [&](int64_t begin, int64_t end) {
+    TORCH_CHECK(begin != throw_at, "chunk at ", begin, " threw");
+    const std::lock_guard<std::mutex> lock(mutex);
+    chunks.emplace_back(begin, end);
+  };
   tandem_cpu::with_team([&] {
-    tandem_cpu::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      TORCH_CHECK(begin != throw_at, "chunk at ", begin, " threw");
-      const std::lock_guard<std::mutex> lock(mutex);
-      chunks.emplace_back(begin, end);
-    });
+    if (prefetched) tandem_cpu::prefetched_parallel_for(0, n, grain, body);
+    else tandem_cpu::parallel_for(0, n, grain, body);
   });
   std::sort(chunks.begin(), chunks.end());
   std::vector<int64_t> bounds;
@@ -226,6 +258,6 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   // No tensor arguments, so no dispatch key: registered with their definitions (CatchAll).
   m.def("set_step_team(bool on) -> bool", &set_step_team);
   m.def("set_team_prefetch(bool on) -> bool", &set_team_prefetch);
-  m.def("team_chunks(int n, int grain, int throw_at) -> int[]", &team_chunks);
+  m.def("team_chunks(int n, int grain, int throw_at, bool prefetched=False) -> int[]", &team_chunks);
   m.def("team_prefetch_shares(int n, int grain, int threads) -> int[]", &team_prefetch_shares);
 }

@@ -36,8 +36,9 @@ struct PrefetchTarget {
 
 // The matrices the leader will multiply, in order (the array must outlive the team's body; one plan a team). While
 // they wait for a loop (the leader runs the serial ops between matrices: norms, RoPE, the KV store, at batch 1 on
-// one thread; or it still streams its own share), the workers pull their own shares (parallel_for's split) of the
-// target after the leader's into their caches, so the memory bus does not idle while only the leader computes.
+// one thread; or it still streams its own share), the workers pull their own shares (prefetched_parallel_for's
+// split) of the target after the leader's into their caches, so the memory bus does not idle while only the leader
+// computes.
 // Batch-1 stack -2 to -6% (bench_step_team.py; the engine's steps), batch 8 unchanged. Looking two targets ahead
 // was slower. No-op outside a team or while set_team_prefetch(false).
 void prefetch_plan(const PrefetchTarget* targets, int64_t count);
@@ -47,13 +48,24 @@ void prefetch_reached(int64_t index);
 namespace detail {
 // The team this thread leads, if any: runs f over [begin, end) split into the team's chunks. A function_ref, not
 // a std::function: every kernel's parallel_for passes through here, in a team or not, and it allocates nothing.
-bool team_parallel_for(int64_t begin, int64_t end, int64_t grain, c10::function_ref<void(int64_t, int64_t)> f);
+bool team_parallel_for(int64_t begin, int64_t end, int64_t grain, c10::function_ref<void(int64_t, int64_t)> f,
+                       bool prefetched);
 }  // namespace detail
 
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (begin >= end) return;
-  if (end - begin > grain && detail::team_parallel_for(begin, end, grain, f)) return;
+  if (end - begin > grain && detail::team_parallel_for(begin, end, grain, f, false)) return;
+  at::parallel_for(begin, end, grain, f);
+}
+
+// The loop over a prefetch plan's target: in a team whose workers prefetch, split as they prefetched it, the
+// leader's share smaller than a worker's (its rows come from memory, theirs from cache); else parallel_for. For
+// loops whose output does not depend on where the range is cut.
+template <typename F>
+void prefetched_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (begin >= end) return;
+  if (end - begin > grain && detail::team_parallel_for(begin, end, grain, f, true)) return;
   at::parallel_for(begin, end, grain, f);
 }
 

@@ -59,12 +59,39 @@ def test_the_team_can_be_switched_off_for_a_b_runs(threads: int) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
-@pytest.mark.parametrize(("n", "grain"), [(1, 1), (5, 1), (64, 4), (72, 4), (120, 4), (100, 16), (17, 16)])
+@pytest.mark.parametrize(("n", "grain"), [(1, 1), (5, 1), (8, 4), (64, 4), (72, 4), (120, 4), (384, 4), (100, 16),
+                                          (17, 16)])
 def test_each_worker_prefetches_the_rows_its_chunk_will_take(threads: int, n: int, grain: int) -> None:
-    """A prefetch plan's shares (thread_team.h) are the team's chunks of the same range: a worker pulls into its
-    cache the rows it multiplies next, not its neighbour's."""
+    """A prefetch plan's shares (thread_team.h) are the chunks of the loop over that target: a worker pulls into
+    its cache the rows it multiplies next, not its neighbour's. The leader's share is the smaller (its rows come
+    from memory), cut at whole grains; together they cover the range once."""
     shares = list(torch.ops.tandem_cpu.team_prefetch_shares(n, grain, threads))
-    assert shares == list(torch.ops.tandem_cpu.team_chunks(n, grain, -1)) == aten_chunks(n, grain, threads)
+    assert shares == list(torch.ops.tandem_cpu.team_chunks(n, grain, -1, True))
+    pairs = list(zip(shares[::2], shares[1::2], strict=True))
+    assert pairs[0][0] == 0 and pairs[-1][1] == n and all(a[1] == b[0] for a, b in zip(pairs, pairs[1:]))
+    assert len(pairs) == min(threads, -(-n // grain))
+    sizes = [end - begin for begin, end in pairs]
+    if len(pairs) > 1:
+        assert sizes[0] % grain == 0, sizes
+    if n >= 8 * grain * threads and threads > 1:  # room to cut at kLeaderWeight, give or take a grain a share
+        assert max(sizes[1:]) * 0.8 - 2 * grain <= sizes[0] < max(sizes[1:]), sizes
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+def test_without_prefetching_a_prefetched_loop_splits_as_aten_does(threads: int) -> None:
+    assert torch.ops.tandem_cpu.set_team_prefetch(False) is True
+    try:
+        assert list(torch.ops.tandem_cpu.team_chunks(120, 4, -1, True)) == aten_chunks(120, 4, threads)
+    finally:
+        torch.ops.tandem_cpu.set_team_prefetch(True)
+
+
+@pytest.mark.parametrize("threads", [3], indirect=True)
+def test_an_error_in_a_prefetched_loop_reaches_the_caller(threads: int) -> None:
+    chunks = list(torch.ops.tandem_cpu.team_chunks(120, 4, -1, True))
+    for begin in chunks[::2]:
+        with pytest.raises(RuntimeError, match=f"chunk at {begin} threw"):
+            torch.ops.tandem_cpu.team_chunks(120, 4, begin, True)
 
 
 def test_the_prefetch_plan_can_be_switched_off_for_a_b_runs() -> None:
