@@ -4,6 +4,8 @@ thread's chunk comes back to the caller without leaving the team's threads waiti
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -68,7 +70,7 @@ def test_each_worker_prefetches_the_rows_its_chunk_will_take(threads: int, n: in
     shares = list(torch.ops.tandem_cpu.team_prefetch_shares(n, grain, threads))
     assert shares == list(torch.ops.tandem_cpu.team_chunks(n, grain, -1, True))
     pairs = list(zip(shares[::2], shares[1::2], strict=True))
-    assert pairs[0][0] == 0 and pairs[-1][1] == n and all(a[1] == b[0] for a, b in zip(pairs, pairs[1:]))
+    assert pairs[0][0] == 0 and pairs[-1][1] == n and all(a[1] == b[0] for a, b in itertools.pairwise(pairs))
     assert len(pairs) == min(threads, -(-n // grain))
     sizes = [end - begin for begin, end in pairs]
     if len(pairs) > 1:
