@@ -19,6 +19,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -33,13 +34,15 @@ constexpr int64_t kMatrixSlots[kFormatsPerLayer] = {1, 3, 5, 6};  // qkv, o_proj
 
 // The step's matrices in the order it multiplies them (those in x8 formats: the others' threads split them by
 // rows of 16, and they are not the default), for the team's workers to prefetch (thread_team.h).
-std::vector<tandem_cpu::PrefetchTarget> prefetch_plan(at::TensorList weights, at::IntArrayRef formats) {
+// Each target's key, its matrix (0-3) and the batch (1-8 and more), so the team learns a split for each.
+std::vector<tandem_cpu::PrefetchTarget> prefetch_plan(at::TensorList weights, at::IntArrayRef formats, int64_t B) {
   std::vector<tandem_cpu::PrefetchTarget> plan;
   for (size_t i = 0; i < formats.size(); ++i) {
     const int64_t layer = static_cast<int64_t>(i) / kFormatsPerLayer, matrix = static_cast<int64_t>(i) % kFormatsPerLayer;
     const at::Tensor& w = weights[layer * kPerLayer + kMatrixSlots[matrix]];
     const bool x8 = formats[i] >= 2 && w.dim() == 2 && w.scalar_type() == at::kByte;  // else linear() refuses it
     plan.push_back(x8 ? tandem_cpu::x8_prefetch_target(w) : tandem_cpu::PrefetchTarget{nullptr, 0, 0, 1});
+    plan.back().key = matrix + kFormatsPerLayer * (std::min<int64_t>(B, 9) - 1);
   }
   return plan;
 }
@@ -76,7 +79,7 @@ void decode_layers_(at::Tensor& h, at::TensorList weights, at::IntArrayRef forma
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
 
-  const std::vector<tandem_cpu::PrefetchTarget> plan = prefetch_plan(weights, formats);
+  const std::vector<tandem_cpu::PrefetchTarget> plan = prefetch_plan(weights, formats, B);
   const auto run_layers = [&] {
     tandem_cpu::prefetch_plan(plan.data(), static_cast<int64_t>(plan.size()));
     // The layer's matrix j is plan entry 4i + j: the workers prefetch the two after the one the leader is on.

@@ -6,10 +6,12 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
+#include <x86intrin.h>
 #include <torch/library.h>
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <exception>
 #include <mutex>
@@ -22,11 +24,23 @@ namespace {
 bool g_enabled = true;  // set_step_team: off runs each parallel_for on its own OpenMP team (A/B benchmarks)
 bool g_prefetch = true;  // set_team_prefetch: off ignores prefetch plans (A/B benchmarks)
 
-// A loop's leader takes kLeaderWeight of a worker's share where the workers prefetched theirs: its rows come from
-// memory, theirs from cache. Measured at 2 threads (bench_step_team.py's stack, the leader's share 0.35-0.5 of a
-// matrix in turn): 0.43-0.47 were 5-7% faster than halves at batch 1, within 1-2% either way at batch 8; 0.40
-// and below slowed batch 8 by 5% and more.
-constexpr double kLeaderWeight = 0.8;
+// The leader's share of a prefetched loop against a worker's (its rows come from memory, theirs from cache), by
+// kind of loop (PrefetchTarget::key), learned as steps run: after each such loop the weight rises a step if the
+// leader waited for the workers and falls one if they had all finished first. A fixed 0.8 (0.43 of a matrix at 2
+// threads) made batch 1 5-7% faster than halves but left the leader waiting 0.2-0.3 ms a batch-8 step.
+constexpr double kStartWeight = 0.8, kWeightStep = 0.02, kMinWeight = 0.2, kMaxWeight = 1.5;
+constexpr int64_t kWeightKeys = 64;
+constexpr uint64_t kWaitCycles = 2000;  // a wait shorter than this (~0.5-1 us) counts as balanced
+
+struct LeaderWeights {
+  std::atomic<double> w[kWeightKeys];
+  LeaderWeights() { reset(); }
+  void reset() {
+    for (auto& x : w) x.store(kStartWeight, std::memory_order_relaxed);
+  }
+  std::atomic<double>& of(int64_t key) { return w[static_cast<uint64_t>(key) % kWeightKeys]; }
+};
+LeaderWeights g_weights;
 
 // How a team's loop shares [0, range) among its threads: the leader [0, first), then worker t (1, 2, ...)
 // [first + (t - 1) * chunk, + chunk), all clipped to the range.
@@ -41,26 +55,27 @@ struct Split {
 };
 
 // at::parallel_for's split (at most one chunk a thread, none under the grain: a kernel gives the same bits in a
-// team and out of one); for a prefetched loop, the leader's share smaller (kLeaderWeight), in whole grains.
-Split split_range(int64_t range, int64_t grain, int64_t threads, bool prefetched) {
+// team and out of one); given a leader's weight (> 0), the leader's share that against each worker's, in grains.
+Split split_range(int64_t range, int64_t grain, int64_t threads, double leader_weight) {
   grain = std::max<int64_t>(grain, 1);
   Split s;
   s.tasks = std::max<int64_t>(1, std::min<int64_t>(threads, (range + grain - 1) / grain));
-  if (!prefetched || s.tasks < 2) {
+  if (leader_weight <= 0 || s.tasks < 2) {
     s.chunk = s.first = (range + s.tasks - 1) / s.tasks;
     return s;
   }
   const double workers = static_cast<double>(s.tasks - 1);
-  const auto leader = static_cast<int64_t>(static_cast<double>(range) * kLeaderWeight / (kLeaderWeight + workers));
-  s.first = std::max(grain, leader / grain * grain);
+  const auto leader = static_cast<int64_t>(static_cast<double>(range) * leader_weight / (leader_weight + workers));
+  s.first = std::min(range - (s.tasks - 1), std::max(grain, leader / grain * grain));  // each worker keeps some
   const int64_t per_worker = (range - s.first + s.tasks - 2) / (s.tasks - 1);
   s.chunk = (per_worker + grain - 1) / grain * grain;
   return s;
 }
 
-// Thread tid's rows of a target, as its prefetched loop splits them, in bytes from its base.
+// Thread tid's rows of a target, as its loop splits them now, in bytes from its base.
 std::pair<int64_t, int64_t> share_bytes(const PrefetchTarget& t, int64_t tid, int64_t threads) {
-  const auto [first, last] = split_range(t.units, t.grain, threads, true).of(tid, t.units);
+  const double weight = g_weights.of(t.key).load(std::memory_order_relaxed);
+  const auto [first, last] = split_range(t.units, t.grain, threads, weight).of(tid, t.units);
   return {first * t.unit_bytes, last * t.unit_bytes};
 }
 
@@ -97,8 +112,19 @@ struct Team {
     epoch.fetch_add(1, std::memory_order_release);
   }
 
-  void wait_workers() const {
+  // Cycles spent waiting; 0 where the workers had all finished first.
+  uint64_t wait_workers() const {
+    if (done.load(std::memory_order_acquire) == size - 1) return 0;
+    const uint64_t start = __rdtsc();
     while (done.load(std::memory_order_acquire) != size - 1) _mm_pause();
+    return std::max<uint64_t>(1, __rdtsc() - start);
+  }
+
+  // The plan's target the leader is on, if a prefetched loop now runs over it.
+  const PrefetchTarget* current_target() const {
+    const PrefetchTarget* targets = plan.load(std::memory_order_relaxed);
+    const int64_t i = reached.load(std::memory_order_relaxed);
+    return targets != nullptr && i >= 0 && i < plan_count ? targets + i : nullptr;
   }
 
   // A worker's place in the plan: the target it prefetches, and what is left of its share there.
@@ -199,13 +225,20 @@ bool team_parallel_for(int64_t begin, int64_t end, int64_t grain, c10::function_
                        bool prefetched) {
   Team* team = t_team;
   if (team == nullptr) return false;
-  team->split = split_range(end - begin, grain, team->size, prefetched && g_prefetch);
+  const PrefetchTarget* target = prefetched && g_prefetch ? team->current_target() : nullptr;
+  std::atomic<double>* weight = target != nullptr ? &g_weights.of(target->key) : nullptr;
+  team->split = split_range(end - begin, grain, team->size, weight ? weight->load(std::memory_order_relaxed) : 0.0);
   team->fn = f;
   team->begin = begin;
   team->end = end;
   team->publish();
   team->run_share(0);
-  team->wait_workers();
+  const uint64_t waited = team->wait_workers();
+  if (weight != nullptr && team->split.tasks > 1) {  // the next loop of this kind moves work toward the faster side
+    const double w = weight->load(std::memory_order_relaxed);
+    if (waited == 0) weight->store(std::max(kMinWeight, w - kWeightStep), std::memory_order_relaxed);
+    else if (waited > kWaitCycles) weight->store(std::min(kMaxWeight, w + kWeightStep), std::memory_order_relaxed);
+  }
   if (team->error) {
     std::exception_ptr error = std::exchange(team->error, nullptr);
     std::rethrow_exception(error);
@@ -221,30 +254,44 @@ namespace {
 bool set_step_team(bool on) { return std::exchange(tandem_cpu::g_enabled, on); }
 bool set_team_prefetch(bool on) { return std::exchange(tandem_cpu::g_prefetch, on); }
 
-// For the tests: the [first, last) bytes each of `threads` threads prefetches of a target of n one-byte units,
-// to set against team_chunks(n, grain, -1, prefetched=True).
-std::vector<int64_t> team_prefetch_shares(int64_t n, int64_t grain, int64_t threads) {
+// For the tests: the [first, last) bytes each of `threads` threads would prefetch now of a target of n one-byte
+// units of this key, to set against team_chunks(n, grain, -1, key).
+std::vector<int64_t> team_prefetch_shares(int64_t n, int64_t grain, int64_t threads, int64_t key) {
   std::vector<int64_t> bounds;
   for (int64_t tid = 0; tid < threads; ++tid) {
-    const auto [first, last] = tandem_cpu::share_bytes({nullptr, 1, n, grain}, tid, threads);
+    const auto [first, last] = tandem_cpu::share_bytes({nullptr, 1, n, grain, key}, tid, threads);
     if (first < last) bounds.insert(bounds.end(), {first, last});
   }
   return bounds;
 }
 
-// For the tests: the chunks a team's parallel_for (or prefetched_parallel_for) gives [0, n) with this grain, as
-// [begin, end) pairs in order; a chunk starting at throw_at throws (on whichever thread runs it).
-std::vector<int64_t> team_chunks(int64_t n, int64_t grain, int64_t throw_at, bool prefetched) {
+// For the tests: the chunks a team's parallel_for gives [0, n) with this grain (or, key >= 0, a prefetched loop over
+// a one-target plan of that key), as [begin, end) pairs in order; a chunk starting at throw_at throws (on whichever
+// thread runs it). `unit_ns`: each unit of a chunk busy-waits that long, `slow_tid`'s thrice as long; `loops`: runs
+// it that many times (returning the last run's chunks), so a test can watch the leader's weight move.
+std::vector<int64_t> team_chunks(int64_t n, int64_t grain, int64_t throw_at, int64_t key, int64_t loops,
+                                 int64_t unit_ns, int64_t slow_tid) {
   std::vector<std::pair<int64_t, int64_t>> chunks;
   std::mutex mutex;
   const auto body = [&](int64_t begin, int64_t end) {
     TORCH_CHECK(begin != throw_at, "chunk at ", begin, " threw");
+    const int64_t ns = (end - begin) * unit_ns * (omp_get_thread_num() == slow_tid ? 3 : 1);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
+    while (std::chrono::steady_clock::now() < until) _mm_pause();
     const std::lock_guard<std::mutex> lock(mutex);
     chunks.emplace_back(begin, end);
   };
+  const tandem_cpu::PrefetchTarget target{nullptr, 1, n, grain, key};
   tandem_cpu::with_team([&] {
-    if (prefetched) tandem_cpu::prefetched_parallel_for(0, n, grain, body);
-    else tandem_cpu::parallel_for(0, n, grain, body);
+    if (key >= 0) {
+      tandem_cpu::prefetch_plan(&target, 1);
+      tandem_cpu::prefetch_reached(0);
+    }
+    for (int64_t i = 0; i < loops; ++i) {
+      chunks.clear();
+      if (key >= 0) tandem_cpu::prefetched_parallel_for(0, n, grain, body);
+      else tandem_cpu::parallel_for(0, n, grain, body);
+    }
   });
   std::sort(chunks.begin(), chunks.end());
   std::vector<int64_t> bounds;
@@ -252,12 +299,30 @@ std::vector<int64_t> team_chunks(int64_t n, int64_t grain, int64_t throw_at, boo
   return bounds;
 }
 
+// For the tests: the split of [0, n) with this grain and leader's weight (0: at::parallel_for's), as bounds.
+std::vector<int64_t> team_split(int64_t n, int64_t grain, int64_t threads, double weight) {
+  const tandem_cpu::Split split = tandem_cpu::split_range(n, grain, threads, weight);
+  std::vector<int64_t> bounds;
+  for (int64_t tid = 0; tid < threads; ++tid) {
+    const auto [first, last] = split.of(tid, n);
+    if (first < last) bounds.insert(bounds.end(), {first, last});
+  }
+  return bounds;
+}
+
+double team_weight(int64_t key) { return tandem_cpu::g_weights.of(key).load(std::memory_order_relaxed); }
+void reset_team_weights() { tandem_cpu::g_weights.reset(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   // No tensor arguments, so no dispatch key: registered with their definitions (CatchAll).
   m.def("set_step_team(bool on) -> bool", &set_step_team);
   m.def("set_team_prefetch(bool on) -> bool", &set_team_prefetch);
-  m.def("team_chunks(int n, int grain, int throw_at, bool prefetched=False) -> int[]", &team_chunks);
-  m.def("team_prefetch_shares(int n, int grain, int threads) -> int[]", &team_prefetch_shares);
+  m.def("team_chunks(int n, int grain, int throw_at, int key=-1, int loops=1, int unit_ns=0, int slow_tid=-1) -> int[]",
+        &team_chunks);
+  m.def("team_prefetch_shares(int n, int grain, int threads, int key) -> int[]", &team_prefetch_shares);
+  m.def("team_split(int n, int grain, int threads, float weight) -> int[]", &team_split);
+  m.def("team_weight(int key) -> float", &team_weight);
+  m.def("reset_team_weights() -> ()", &reset_team_weights);
 }

@@ -28,10 +28,12 @@ void with_team(c10::function_ref<void()> body);
 // The threads a parallel_for shares its range among now: the team's, or at::get_num_threads().
 int64_t num_threads();
 
-// Weights a team's parallel_for will walk later: `units` rows of `unit_bytes` at `base`, split with `grain`.
+// Weights a team's prefetched_parallel_for will walk later: `units` rows of `unit_bytes` at `base`, split with
+// `grain`. Loops of one `key` (a kind of matrix at a batch size) share what the team learns of how to split them.
 struct PrefetchTarget {
   const void* base;
   int64_t unit_bytes, units, grain;
+  int64_t key = 0;
 };
 
 // The matrices the leader will multiply, in order (the array must outlive the team's body; one plan a team). While
@@ -59,9 +61,10 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   at::parallel_for(begin, end, grain, f);
 }
 
-// The loop over a prefetch plan's target: in a team whose workers prefetch, split as they prefetched it, the
-// leader's share smaller than a worker's (its rows come from memory, theirs from cache); else parallel_for. For
-// loops whose output does not depend on where the range is cut.
+// The loop over the plan's target the leader is on (prefetch_reached): in a team whose workers prefetch, split as
+// they prefetched it, the leader's share weighed against a worker's as the team has learned for the target's key
+// (its rows come from memory, theirs from cache); else parallel_for. For loops whose output does not depend on
+// where the range is cut.
 template <typename F>
 void prefetched_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (begin >= end) return;

@@ -64,36 +64,66 @@ def test_the_team_can_be_switched_off_for_a_b_runs(threads: int) -> None:
 @pytest.mark.parametrize(("n", "grain"), [(1, 1), (5, 1), (8, 4), (64, 4), (72, 4), (120, 4), (384, 4), (100, 16),
                                           (17, 16)])
 def test_each_worker_prefetches_the_rows_its_chunk_will_take(threads: int, n: int, grain: int) -> None:
-    """A prefetch plan's shares (thread_team.h) are the chunks of the loop over that target: a worker pulls into
-    its cache the rows it multiplies next, not its neighbour's. The leader's share is the smaller (its rows come
-    from memory), cut at whole grains; together they cover the range once."""
-    shares = list(torch.ops.tandem_cpu.team_prefetch_shares(n, grain, threads))
-    assert shares == list(torch.ops.tandem_cpu.team_chunks(n, grain, -1, True))
-    pairs = list(zip(shares[::2], shares[1::2], strict=True))
+    """A prefetch plan's shares (thread_team.h) are the chunks of the loop over that target, as the team splits it
+    now: a worker pulls into its cache the rows it multiplies next, not its neighbour's."""
+    torch.ops.tandem_cpu.reset_team_weights()
+    weight = torch.ops.tandem_cpu.team_weight(3)
+    shares = list(torch.ops.tandem_cpu.team_prefetch_shares(n, grain, threads, 3))
+    assert shares == list(torch.ops.tandem_cpu.team_chunks(n, grain, -1, 3))
+    assert shares == list(torch.ops.tandem_cpu.team_split(n, grain, threads, weight))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "grain"), [(1, 1), (5, 1), (8, 4), (120, 4), (384, 4), (100, 16), (17, 16)])
+@pytest.mark.parametrize("weight", [0.2, 0.8, 1.0, 1.5])
+def test_a_weighted_split_covers_the_range_in_whole_grains(threads: int, n: int, grain: int, weight: float) -> None:
+    """The leader's share is cut at whole grains near weight : 1 against each worker's; every thread with a share
+    gets at least a grain, and the shares cover the range once, in order."""
+    bounds = list(torch.ops.tandem_cpu.team_split(n, grain, threads, weight))
+    pairs = list(zip(bounds[::2], bounds[1::2], strict=True))
     assert pairs[0][0] == 0 and pairs[-1][1] == n and all(a[1] == b[0] for a, b in itertools.pairwise(pairs))
-    assert len(pairs) == min(threads, -(-n // grain))
+    tasks = min(threads, -(-n // grain))
+    assert list(torch.ops.tandem_cpu.team_split(n, grain, threads, 0.0)) == aten_chunks(n, grain, tasks)
+    if tasks < 2:
+        return
     sizes = [end - begin for begin, end in pairs]
-    if len(pairs) > 1:
-        assert sizes[0] % grain == 0, sizes
-    if n >= 8 * grain * threads and threads > 1:  # room to cut at kLeaderWeight, give or take a grain a share
-        assert max(sizes[1:]) * 0.8 - 2 * grain <= sizes[0] < max(sizes[1:]), sizes
+    assert sizes[0] % grain == 0 and min(sizes) >= 1, sizes
+    if n >= 16 * grain * threads:  # room to cut near the weight: within a grain a share
+        worker = (n - sizes[0]) / (tasks - 1)
+        assert abs(sizes[0] - weight * worker) <= 2 * grain * (1 + weight), sizes
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+def test_the_leader_s_share_moves_toward_the_faster_side(threads: int) -> None:
+    """The team learns each key's split: with the worker's units three times as slow the leader waits, and its
+    share grows; with its own slow, the worker finishes first, and its share shrinks."""
+    torch.ops.tandem_cpu.reset_team_weights()
+    start = torch.ops.tandem_cpu.team_weight(7)
+    chunks = list(torch.ops.tandem_cpu.team_chunks(64, 1, -1, 7, 30, 2000, 1))
+    assert torch.ops.tandem_cpu.team_weight(7) > start + 0.2
+    assert chunks[1] - chunks[0] > chunks[3] - chunks[2], chunks  # the leader now takes more than the worker
+    torch.ops.tandem_cpu.team_chunks(64, 1, -1, 9, 30, 2000, 0)
+    assert torch.ops.tandem_cpu.team_weight(9) < start - 0.2
+    torch.ops.tandem_cpu.reset_team_weights()
 
 
 @pytest.mark.parametrize("threads", [2], indirect=True)
 def test_without_prefetching_a_prefetched_loop_splits_as_aten_does(threads: int) -> None:
     assert torch.ops.tandem_cpu.set_team_prefetch(False) is True
     try:
-        assert list(torch.ops.tandem_cpu.team_chunks(120, 4, -1, True)) == aten_chunks(120, 4, threads)
+        assert list(torch.ops.tandem_cpu.team_chunks(120, 4, -1, 3)) == aten_chunks(120, 4, threads)
     finally:
         torch.ops.tandem_cpu.set_team_prefetch(True)
 
 
 @pytest.mark.parametrize("threads", [3], indirect=True)
 def test_an_error_in_a_prefetched_loop_reaches_the_caller(threads: int) -> None:
-    chunks = list(torch.ops.tandem_cpu.team_chunks(120, 4, -1, True))
+    torch.ops.tandem_cpu.reset_team_weights()
+    chunks = list(torch.ops.tandem_cpu.team_chunks(120, 4, -1, 3))
     for begin in chunks[::2]:
+        torch.ops.tandem_cpu.reset_team_weights()  # the same split each time
         with pytest.raises(RuntimeError, match=f"chunk at {begin} threw"):
-            torch.ops.tandem_cpu.team_chunks(120, 4, begin, True)
+            torch.ops.tandem_cpu.team_chunks(120, 4, begin, 3)
 
 
 def test_the_prefetch_plan_can_be_switched_off_for_a_b_runs() -> None:
