@@ -33,8 +33,8 @@ constexpr int64_t kFormatsPerLayer = 4;
 constexpr int64_t kMatrixSlots[kFormatsPerLayer] = {1, 3, 5, 6};  // qkv, o_proj, gate_up, down among a layer's 7
 
 // The step's matrices in the order it multiplies them (those in x8 formats: the others' threads split them by
-// rows of 16, and they are not the default), for the team's workers to prefetch (thread_team.h).
-// Each target's key, its matrix (0-3) and the batch (1-8 and more), so the team learns a split for each.
+// rows of 16, and they are not the default), for the team's workers to prefetch (thread_team.h). A target's key
+// is its matrix (0-3) and the batch (1-8, or more), so the team learns a split for each.
 std::vector<tandem_cpu::PrefetchTarget> prefetch_plan(at::TensorList weights, at::IntArrayRef formats, int64_t B) {
   std::vector<tandem_cpu::PrefetchTarget> plan;
   for (size_t i = 0; i < formats.size(); ++i) {
@@ -82,7 +82,7 @@ void decode_layers_(at::Tensor& h, at::TensorList weights, at::IntArrayRef forma
   const std::vector<tandem_cpu::PrefetchTarget> plan = prefetch_plan(weights, formats, B);
   const auto run_layers = [&] {
     tandem_cpu::prefetch_plan(plan.data(), static_cast<int64_t>(plan.size()));
-    // The layer's matrix j is plan entry 4i + j: the workers prefetch the two after the one the leader is on.
+    // Layer i's matrix j is plan entry 4i + j: the workers prefetch the one after the entry the leader is on.
     const auto multiply = [&](int64_t i, int64_t j, const at::Tensor& x) {
       tandem_cpu::prefetch_reached(i * kFormatsPerLayer + j);
       return linear(x, weights[i * kPerLayer + kMatrixSlots[j]], formats[i * kFormatsPerLayer + j]);

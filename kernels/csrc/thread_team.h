@@ -40,9 +40,8 @@ struct PrefetchTarget {
 // they wait for a loop (the leader runs the serial ops between matrices: norms, RoPE, the KV store, at batch 1 on
 // one thread; or it still streams its own share), the workers pull their own shares (prefetched_parallel_for's
 // split) of the target after the leader's into their caches, so the memory bus does not idle while only the leader
-// computes.
-// Batch-1 stack -2 to -6% (bench_step_team.py; the engine's steps), batch 8 unchanged. Looking two targets ahead
-// was slower. No-op outside a team or while set_team_prefetch(false).
+// computes. With the learned split: stack -7% at batch 1, -3 to -6% at batch 8 (bench_step_team.py; the engine's
+// own steps alike). Looking two targets ahead was slower. No-op outside a team or while set_team_prefetch(false).
 void prefetch_plan(const PrefetchTarget* targets, int64_t count);
 // The leader starts on targets[index]: the workers look beyond it.
 void prefetch_reached(int64_t index);

@@ -1,6 +1,7 @@
 """The decode step's thread team (kernels/csrc/thread_team.h): its parallel_for splits a range into
 at::parallel_for's chunks (so kernels give the same bits in a team and out of one), and an exception in any
-thread's chunk comes back to the caller without leaving the team's threads waiting."""
+thread's chunk comes back to the caller without leaving the team's threads waiting. Its prefetched loops split
+as the workers prefetched them, and learn how much to give the leader."""
 
 from __future__ import annotations
 
