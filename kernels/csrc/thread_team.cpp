@@ -208,15 +208,22 @@ namespace {
 bool set_step_team(bool on) { return std::exchange(tandem_cpu::g_enabled, on); }
 bool set_team_prefetch(bool on) { return std::exchange(tandem_cpu::g_prefetch, on); }
 
-// For the tests: the [first, last) bytes each of `threads` threads would prefetch now of a target of n one-byte
-// units of this key, to set against team_chunks(n, grain, -1, key).
-std::vector<int64_t> team_prefetch_shares(int64_t n, int64_t grain, int64_t threads, int64_t key) {
+// For the tests: each of `threads` threads' non-empty [first, last) from share(tid), in order, as bounds.
+template <typename Share>
+std::vector<int64_t> bounds_of(int64_t threads, const Share& share) {
   std::vector<int64_t> bounds;
   for (int64_t tid = 0; tid < threads; ++tid) {
-    const auto [first, last] = tandem_cpu::share_bytes({nullptr, 1, n, grain, key}, tid, threads);
+    const auto [first, last] = share(tid);
     if (first < last) bounds.insert(bounds.end(), {first, last});
   }
   return bounds;
+}
+
+// For the tests: the [first, last) bytes each of `threads` threads would prefetch now of a target of n one-byte
+// units of this key, to set against team_chunks(n, grain, -1, key).
+std::vector<int64_t> team_prefetch_shares(int64_t n, int64_t grain, int64_t threads, int64_t key) {
+  const tandem_cpu::PrefetchTarget target{nullptr, 1, n, grain, key};
+  return bounds_of(threads, [&](int64_t tid) { return tandem_cpu::share_bytes(target, tid, threads); });
 }
 
 // For the tests: the chunks a team's parallel_for gives [0, n) with this grain (or, key >= 0, a prefetched loop over
@@ -256,12 +263,7 @@ std::vector<int64_t> team_chunks(int64_t n, int64_t grain, int64_t throw_at, int
 // For the tests: the split of [0, n) with this grain and leader's weight (0: at::parallel_for's), as bounds.
 std::vector<int64_t> team_split(int64_t n, int64_t grain, int64_t threads, double weight) {
   const tandem_cpu::Split split = tandem_cpu::split_range(n, grain, threads, weight);
-  std::vector<int64_t> bounds;
-  for (int64_t tid = 0; tid < threads; ++tid) {
-    const auto [first, last] = split.of(tid, n);
-    if (first < last) bounds.insert(bounds.end(), {first, last});
-  }
-  return bounds;
+  return bounds_of(threads, [&](int64_t tid) { return split.of(tid, n); });
 }
 
 double team_weight(int64_t key) { return tandem_cpu::g_weights.of(key).load(std::memory_order_relaxed); }
