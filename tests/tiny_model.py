@@ -48,9 +48,9 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.5) -> dict[st
     return out
 
 
-def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **cfg_knobs: int) -> LlamaModel:
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu", **cfg_knobs: int) -> LlamaModel:
     cfg = tiny_config(**cfg_knobs)
-    return LlamaModel(cfg, random_weights(cfg, seed), torch.device("cpu"), dtype)
+    return LlamaModel(cfg, random_weights(cfg, seed), torch.device(device), dtype)
 
 
 def save_word_tokenizer(directory: str | Path, vocab_size: int) -> None:

