@@ -1,9 +1,11 @@
 """Host time of an engine decode step with the model's forward taken away: what a CUDA-graph replay leaves on
-the host (schedule, build the step's inputs, sample, detokenize, stop checks), measured on any machine.
+the host (schedule, build the step's inputs and stage them in the graphs' buffers, sample, detokenize, stop
+checks), measured on any machine.
 
     python tests/bench/bench_step_host.py [--batches 1,8,64] [--steps 300]
 
-The forward returns fixed logits rolled by one place a step (so each request's tokens, and the text the
+The step goes through ``DecodeGraphs``' staging as on a GPU, and its replay writes fixed logits rolled by one
+place a step (so each request's tokens, and the text the
 detokenizer decodes, keep changing), and the model has a 4,096-token vocabulary so that the argmax (GPU
 work on a GPU) stays small: the figures are the engine's Python and the sampler's host work. Target
 context (issue 20): a GPU decode step at batch 64 within 1.5x of its kernels (~2.7 ms on an H100) leaves
@@ -26,10 +28,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.bench.engine_steps import PartTimer, prefill_all  # noqa: E402
 from tests.tiny_model import tiny_model  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.decode_graphs import DecodeGraphs  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.model.open_model import open_model  # noqa: E402
 from workers.model.tokenizer import Tokenizer  # noqa: E402
 from workers.protocol.sampling_params import SamplingParams  # noqa: E402
+
+
+class StagedGraphs(DecodeGraphs):
+    """``DecodeGraphs`` whose replay of b rows writes ``logits``' first b rows, rolled one place further each
+    replay: the staging is the real one, the model is not run."""
+
+    def __init__(self, logits: torch.Tensor, *args: object, **kwargs: object):
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.fixed_logits = logits
+
+    def capture(self) -> None:
+        for b in self.sizes:
+            out = torch.empty(b, self.fixed_logits.shape[1])
+            self._graphs[b] = (_RollingReplay(self.fixed_logits[:b], out), out)  # type: ignore[assignment]
+
+
+class _RollingReplay:
+    def __init__(self, logits: torch.Tensor, out: torch.Tensor):
+        self.logits, self.out, self.shift = logits, out, 0
+
+    def replay(self) -> None:
+        self.shift += 1
+        self.out.copy_(self.logits.roll(self.shift, 1))
 
 
 def measure(tokenizer: Tokenizer, batch: int, steps: int, prompt_len: int = 400) -> dict[str, float]:
@@ -45,20 +71,25 @@ def measure(tokenizer: Tokenizer, batch: int, steps: int, prompt_len: int = 400)
     prefill_all(engine)
     # Logits whose argmax differs by row and step: each request's text keeps growing with real tokens.
     logits = torch.randn(batch, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
-    engine.runner._forward = lambda rows, *a: logits[: len(rows)].roll(len(rows[0].request.output_token_ids), 1)
+    runner = engine.runner
+    runner.decode_graphs = StagedGraphs(logits, model, runner.kv_cache, block_size=engine.config.block_size,
+                                        max_batch=batch, max_model_len=engine.max_model_len, backend="torch")
+    runner.decode_graphs.capture()
     for _ in range(5):
         engine.step()
-    split = PartTimer({"schedule": (engine.scheduler, "schedule"), "forward": (engine.runner, "_forward"),
-                       "runner": (engine.runner, "execute")})
+    split = PartTimer({"schedule": (engine.scheduler, "schedule"), "replay": (runner.decode_graphs, "forward"),
+                       "runner": (runner, "execute")})
     walls = []
     for _ in range(steps):
         t0 = time.perf_counter()
         result = engine.step()
         walls.append(time.perf_counter() - t0)
         assert result.is_decode_only and len(result.outputs) == batch
+    assert runner.decode_graphs.num_replays >= steps, "every measured step goes through the graphs' staging"
     per = {k: v / steps * 1e3 for k, v in split.seconds.items()}
     step = statistics.median(walls) * 1e3
-    return {"step_ms": step, "schedule_ms": per["schedule"], "sample_ms": per["runner"] - per["forward"],
+    return {"step_ms": step, "schedule_ms": per["schedule"], "stage_ms": per["replay"],
+            "sample_ms": per["runner"] - per["replay"],
             "post_ms": statistics.mean(walls) * 1e3 - per["schedule"] - per["runner"]}
 
 
@@ -69,12 +100,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # a decode worker's host thread; the argmax's threads would blur the split
     tokenizer = Tokenizer.load(open_model(None).source)  # the bundled model's: its decode cost is the real one
-    print("| batch | host ms a step (median) | schedule | inputs + sample | postprocess (detokenize, stops) |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| batch | host ms a step (median) | schedule | stage + replay | inputs + sample "
+          "| postprocess (detokenize, stops) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for batch in (int(b) for b in args.batches.split(",")):
         r = measure(tokenizer, batch, args.steps)
-        print(f"| {batch} | {r['step_ms']:.3f} | {r['schedule_ms']:.3f} | {r['sample_ms']:.3f} | {r['post_ms']:.3f} |",
-              flush=True)
+        parts = " | ".join(f"{r[k]:.3f}" for k in ("step_ms", "schedule_ms", "stage_ms", "sample_ms", "post_ms"))
+        print(f"| {batch} | {parts} |", flush=True)
 
 
 if __name__ == "__main__":
