@@ -106,3 +106,28 @@ def test_padding_rows_write_nothing_and_the_copy_covers_the_used_rows():
     assert buf[3 * m : 3 * m + 4].tolist() == [21, 4, 1, 1]  # the padding row reads one token
     assert buf[2 * m : 2 * m + 4].tolist()[3] == -1
     assert buf[4 * m : 4 * m + 2].tolist() == [1, 5] and buf[4 * m + 3 * 8].item() == 0
+
+
+def test_block_table_rows_are_rewritten_only_where_they_changed():
+    """Rows whose table the staging buffer already holds are skipped; a row that passes to another request,
+    grows a block, or was padding in between (its first entry zeroed) is written again."""
+    model = tiny_model(seed=1)
+    graphs = EagerDecodeGraphs(model, model.new_kv_cache(16, 16), block_size=16, max_batch=4, max_model_len=128,
+                               backend="triton")
+    graphs.capture()
+    m, w = 4, graphs.width
+
+    def step(tables: list[list[int]]) -> list[list[int]]:
+        n = len(tables)
+        positions = [16 * len(t) - 1 for t in tables]
+        graphs.forward([5] * n, positions, [-1] * n, [p + 1 for p in positions], tables)
+        rows = graphs._device[4 * m :].view(m, w).tolist()
+        return [row[: len(t)] for row, t in zip(rows, tables, strict=False)]
+
+    assert step([[3, 4], [5], [8], [9]]) == [[3, 4], [5], [8], [9]]
+    assert step([[3, 4], [5], [8], [9]]) == [[3, 4], [5], [8], [9]]  # unchanged: skipped, and still there
+    # One grew a block; row 1 passed to another request.
+    assert step([[3, 4, 6], [7], [8], [9]]) == [[3, 4, 6], [7], [8], [9]]
+    assert step([[3, 4, 6], [7], [8]]) == [[3, 4, 6], [7], [8]]  # 3 rows run as 4: row 3 is padding
+    assert graphs._device[4 * m + 3 * w].item() == 0  # it reads block 0
+    assert step([[3, 4, 6], [7], [8], [9]])[3] == [9]  # written anew over the padding's 0

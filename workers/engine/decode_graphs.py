@@ -14,7 +14,9 @@ out as the device buffer is (B = largest batch, W = block table width, max_model
       a step of b padded rows copies the first 4 B + b W entries
 
 A block table row is written only up to the request's blocks; the kernel reads no further than its
-sequence length, so what lies past it (an older step's ids) is never read.
+sequence length, so what lies past it (an older step's ids) is never read. A row whose table is what the
+staging buffer already holds there (the same request, no new block: nearly every decode step) is not
+written again: at batch 64 the rows were ~45 us of a step's host time.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class DecodeGraphs:
         self._host_np[2 * b : 3 * b] = -1  # slots: padding writes nothing
         self._host_np[3 * b : 4 * b] = 1  # seq_lens: padding reads one token
         self._device.copy_(self._host)
+        self._staged_tables: list[list[int] | None] = [None] * b  # each row's table as the host buffer holds it
         self._logit_rows = torch.arange(b, device=model.device)
         self.sizes = capture_sizes(max_batch)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -122,9 +125,13 @@ class DecodeGraphs:
             host[offset : offset + n] = values
             host[offset + n : offset + b] = pad
         base = 4 * m
+        staged = self._staged_tables
         for i, table in enumerate(block_tables):
-            host[base + i * w : base + i * w + len(table)] = table
+            if staged[i] != table:
+                host[base + i * w : base + i * w + len(table)] = table
+                staged[i] = list(table)
         host[base + n * w : base + b * w : w] = 0  # padding rows read block 0
+        staged[n:b] = [None] * (b - n)
         # The previous step's copy is done: its logits were read on the host after it.
         end = base + b * w
         self._device[:end].copy_(self._host[:end], non_blocking=True)
