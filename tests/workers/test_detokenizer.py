@@ -76,3 +76,48 @@ def test_decode_through_the_rust_tokenizer_is_hfs_decode(tokenizer):
         ids = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))] + rng.sample(range(10), 2)
         for skip in (True, False):
             assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(ids, skip_special_tokens=skip)
+
+
+class _WindowOnly:
+    """The tokenizer without its Rust incremental decoder: the detokenizer decodes windows itself."""
+
+    def __init__(self, tokenizer, fail_after: int | None = None):
+        self.tokenizer, self.fail_after = tokenizer, fail_after
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return self.tokenizer.decode(token_ids, skip_special_tokens)
+
+    def decode_stream(self, context, skip_special_tokens):
+        if self.fail_after is None:
+            return None
+        step, calls = self.tokenizer.decode_stream(context, skip_special_tokens), [0]
+
+        def failing(token_id):
+            calls[0] += 1
+            if calls[0] > self.fail_after:
+                raise RuntimeError("not a prefix")
+            return step(token_id)
+        return failing
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_rust_stream_gives_the_window_decodes_pieces(tokenizer, skip):
+    """The Rust incremental decoder emits the same pieces, token by token, as the window decode it replaces;
+    where it fails mid-stream the window takes over from where it stood. Random ids: special tokens and
+    byte pieces of multi-byte characters among them."""
+    import random
+
+    rng = random.Random(1)
+    ids = tokenizer.encode(TEXT) + [rng.randrange(len(tokenizer.hf)) for _ in range(300)]
+    ids[40:40] = [0, 1, 2]  # special tokens mid-text
+    prompt = [5, 6, 7, 8, 9, 10]
+
+    def pieces(tok):
+        det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        return [det.add_tokens([t]) for t in ids] + [det.flush()]
+
+    window = pieces(_WindowOnly(tokenizer))
+    assert pieces(tokenizer) == window
+    for fail_after in (0, 1, 37, 150):
+        assert pieces(_WindowOnly(tokenizer, fail_after)) == window
+    assert "".join(window) == tokenizer.decode(prompt[-5:] + ids, skip)[len(tokenizer.decode(prompt[-5:], skip)):]

@@ -296,8 +296,11 @@ class Engine:
                           sched.is_decode_only)
 
     def _postprocess(self, request: Request) -> RequestOutput:
-        detok = self._detokenizers[request.request_id]
-        new_text = detok.add_tokens(request.output_token_ids[-1:])
+        # Every running request passes here every step: locals over repeated attribute and property reads.
+        rid = request.request_id
+        detok = self._detokenizers[rid]
+        new_token_ids = request.output_token_ids[-1:]
+        new_text = detok.add_tokens(new_token_ids)
         if detok.stop_reason is not None:
             if request.status.is_finished:
                 request.status = RequestStatus.FINISHED_STOPPED  # a stop string beats max_tokens
@@ -307,22 +310,25 @@ class Engine:
         finished = request.status.is_finished
         if finished:
             new_text += detok.flush()
-            self._forget(request.request_id)
+            self._forget(rid)
+        params = request.sampling_params
+        num_output_tokens = len(request.output_token_ids)
+        first = num_output_tokens == 1
         return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=request.output_token_ids[-1:],
+            request_id=rid,
+            new_token_ids=new_token_ids,
             new_text=new_text,
-            new_logprobs=request.output_logprobs[-1:] if request.sampling_params.logprobs else [],
+            new_logprobs=request.output_logprobs[-1:] if params.logprobs else [],
             finished=finished,
-            finish_reason=request.finish_reason,
+            finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            new_top_logprobs=request.output_top_logprobs[-1:] if request.sampling_params.top_logprobs else [],
-            prompt_logprobs=(list(request.prompt_logprobs) if request.sampling_params.prompt_logprobs is not None
-                             and request.num_output_tokens == 1 else None),
-            queue_seconds=request.queue_seconds if request.num_output_tokens == 1 else None,
+            new_top_logprobs=request.output_top_logprobs[-1:] if params.top_logprobs else [],
+            prompt_logprobs=(list(request.prompt_logprobs) if first and params.prompt_logprobs is not None
+                             else None),
+            queue_seconds=request.queue_seconds if first else None,
         )
 
     # ---- offline convenience ----

@@ -66,6 +66,8 @@ class KVCacheManager:
         request's table now; ``request.num_computed_tokens`` must already count them.
         """
         num_needed = self.num_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
+        if not num_needed and not new_computed_blocks and keep_free <= self.pool.num_free_blocks:
+            return True  # room in the last block: 15 decode steps of 16
         # Reviving an evictable cached block takes it out of the free list too.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_needed + num_revived + keep_free > self.pool.num_free_blocks:

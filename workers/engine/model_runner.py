@@ -51,21 +51,27 @@ class ModelRunner:
         chunks = out.chunks
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new_tokens != 1)  # decodes first
         rows = [chunks[i] for i in order]
+        samples = [c.samples for c in rows]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
         prompt_rows: list[int] = []  # after the sampled rows: prompt positions whose logits give logprobs
         prompt_spans: list[tuple[Request, int, int]] = []  # (request, first prompt position, count)
-        for chunk in rows:
+        bs = self.block_size
+        for chunk, row_samples in zip(rows, samples, strict=True):
             req, n, table = chunk.request, chunk.num_new_tokens, chunk.block_ids
             start = req.num_computed_tokens
-            input_ids.extend(req.token_ids[start : start + n])
-            pos = range(start, start + n)
-            positions.extend(pos)
-            bs = self.block_size
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if chunk.samples:
+            if n == 1:  # a decode row (most rows, every step): no ranges or slices
+                input_ids.append(req.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(req.token_ids[start : start + n])
+                pos = range(start, start + n)
+                positions.extend(pos)
+                slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if row_samples:
                 logit_rows.append(len(input_ids) - 1)
             if req.needs_prompt_logits:  # position p's logits give prompt token p + 1's log probability
                 lo, hi = max(start, len(req.prompt_logprobs)), min(start + n, req.num_prompt_tokens - 1)
@@ -77,7 +83,7 @@ class ModelRunner:
         if prompt_spans:
             _add_prompt_logprobs(logits[len(logit_rows):], prompt_spans)
             logits = logits[: len(logit_rows)]
-        sampling = [c.request for c in rows if c.samples]
+        sampling = [c.request for c, row_samples in zip(rows, samples, strict=True) if row_samples]
         params = [r.sampling_params for r in sampling]
         token_ids, logprobs = sample(
             logits, params, [self._generator(r) for r in sampling],
@@ -88,8 +94,8 @@ class ModelRunner:
             accept(request.grammar, token_id)
         results: list[SampledToken | None] = [None] * len(chunks)
         sampled = iter(zip(token_ids, logprobs, top_logprobs(logits, params), strict=True))
-        for i, chunk in zip(order, rows, strict=True):
-            if chunk.samples:
+        for i, row_samples in zip(order, samples, strict=True):
+            if row_samples:
                 results[i] = SampledToken(*next(sampled))
         return results
 

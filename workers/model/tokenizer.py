@@ -6,7 +6,8 @@ Uses transformers' tokenizer classes so that encoding and chat templating are ex
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from workers.model.loader import ModelSource
@@ -63,6 +64,16 @@ class Tokenizer:
         if not isinstance(template, str) or "tools" not in template:
             return None
         return "hermes" if "<tool_call>" in template else None
+
+    def decode_stream(self, context: Sequence[int], skip_special_tokens: bool) -> Callable[[int], str | None] | None:
+        """The Rust tokenizer's incremental decoder after ``context``: each token's newly final text, or None
+        while it is not yet (half a character). None where HF's decode is not the Rust one's (see __init__)."""
+        if self._rust_decoder is None:
+            return None
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(list(context), skip_special_tokens=skip_special_tokens)
+        return partial(stream.step, self._rust_decoder)  # a C-level call a token, no Python frame
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._rust_decoder is not None:
