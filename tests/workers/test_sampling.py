@@ -115,3 +115,24 @@ def test_top_p_over_candidates_keeps_what_a_full_sort_keeps():
     assert torch.equal(got, expected)
     kept = (~got).sum(dim=-1)
     assert kept.min() <= NUCLEUS_CANDIDATES < kept.max()  # both paths ran
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=0.7), dict(logprobs=True), dict(logprobs=True, top_logprobs=2),
+                                   dict(repetition_penalty=1.3), dict(logit_bias=[(4, 50.0)]), dict(min_tokens=3)])
+def test_argmax_fast_path_only_for_batches_of_plain_greedy_rows(tiny_engine_factory, knobs):
+    """A batch of plain greedy rows samples by one argmax; one row asking the sampler for more puts the whole
+    batch back through ``sample``, and its request gets what it asked for beside a plain one."""
+    from workers.engine.request import Request
+
+    plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    other = SamplingParams(max_tokens=6, ignore_eos=True, **{"temperature": 0, **knobs})
+    assert Request("a", [1], plain).plain_greedy and not Request("b", [1], other).plain_greedy
+    prompts = [[3, 4, 5], [7, 8, 9, 10]]
+    alone = tiny_engine_factory().generate(prompts[:1], plain)[0].token_ids
+    together = tiny_engine_factory().generate(prompts, [plain, other])
+    assert together[0].token_ids == alone  # the plain row's argmax, whichever path sampled it
+    if other.logprobs:
+        assert len(together[1].logprobs) == 6 and all(lp <= 0 for lp in together[1].logprobs)
+        assert len(together[1].top_logprobs) == (6 if other.top_logprobs else 0)
+    if knobs.get("logit_bias"):
+        assert together[1].token_ids == [4] * 6  # the bias outweighs the model

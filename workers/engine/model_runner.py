@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 import kernels
+from kernels.fused_ops import argmax_rows
 from workers.engine.decode_graphs import DecodeGraphs
 from workers.engine.request import Request
 from workers.engine.sampler import draw, sample, top_logprobs
@@ -84,16 +85,22 @@ class ModelRunner:
             _add_prompt_logprobs(logits[len(logit_rows):], prompt_spans)
             logits = logits[: len(logit_rows)]
         sampling = [c.request for c, row_samples in zip(rows, samples, strict=True) if row_samples]
-        params = [r.sampling_params for r in sampling]
-        token_ids, logprobs = sample(
-            logits, params, [self._generator(r) for r in sampling],
-            [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling], self.eos_token_id,
-            [r.grammar for r in sampling],
-        )
-        for request, token_id in zip(sampling, token_ids, strict=True):
-            accept(request.grammar, token_id)
+        if all(r.plain_greedy for r in sampling):  # what sample() does for them, without its per-row lists
+            token_ids: list[int] = argmax_rows(logits).tolist()
+            logprobs: list[float | None] = [None] * len(sampling)
+            tops: list[list[tuple[int, float]] | None] = [None] * len(sampling)
+        else:
+            params = [r.sampling_params for r in sampling]
+            token_ids, logprobs = sample(
+                logits, params, [self._generator(r) for r in sampling],
+                [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling], self.eos_token_id,
+                [r.grammar for r in sampling],
+            )
+            for request, token_id in zip(sampling, token_ids, strict=True):
+                accept(request.grammar, token_id)
+            tops = top_logprobs(logits, params)
         results: list[SampledToken | None] = [None] * len(chunks)
-        sampled = iter(zip(token_ids, logprobs, top_logprobs(logits, params), strict=True))
+        sampled = iter(zip(token_ids, logprobs, tops, strict=True))
         for i, row_samples in zip(order, samples, strict=True):
             if row_samples:
                 results[i] = SampledToken(*next(sampled))

@@ -63,10 +63,16 @@ class Request:
     # Structured output: the xgrammar matcher of this request's schema (its state: the tokens so far).
     grammar: Any = None
     _block_hashes: list[int] = field(default_factory=list)
+    # Greedy with nothing else asked of the sampler (no logit adjustments, grammar or logprobs): a batch of
+    # only such rows samples by one argmax (the runner's fast path; most chats at temperature 0).
+    plain_greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        p = self.sampling_params
+        self.plain_greedy = (p.is_greedy and not p.adjusts_logits and not p.has_grammar and not p.logprobs
+                             and not p.top_logprobs)
 
     @property
     def num_tokens(self) -> int:

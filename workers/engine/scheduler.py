@@ -158,7 +158,7 @@ class Scheduler:
         if self.config.max_queue_time_s is not None and self.waiting:
             self._shed_overdue(out, self.config.max_queue_time_s, time.monotonic())
         limit = self.config.max_num_batched_tokens
-        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens != 1)
+        decodes_first = sorted(self.running, key=lambda r: len(r.token_ids) - r.num_computed_tokens != 1)
         num_scheduled = 0  # tokens in out.chunks, kept as they are added (summing them per request was n^2)
         for request in decodes_first:
             budget = limit - num_scheduled
@@ -166,7 +166,9 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
-            num_new = self._chunk_len(request, budget)
+            # A decode (one token left to compute) needs no chunking: most rows, every step.
+            num_new = 1 if len(request.token_ids) - request.num_computed_tokens == 1 else self._chunk_len(
+                request, budget)
             num_preempted = len(out.preempted)
             if self._reserve_or_preempt(request, num_new, out):
                 out.chunks.append(ScheduledChunk(request, num_new, self.kv_cache.block_ids(request.request_id)))
@@ -291,9 +293,10 @@ class Scheduler:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if chunk.num_new_tokens > 1 or request.num_output_tokens == 0:
-                self.num_prefill_tokens_total += chunk.num_new_tokens
-            request.num_computed_tokens += chunk.num_new_tokens
+            n = chunk.num_new_tokens
+            if n > 1 or not request.output_token_ids:
+                self.num_prefill_tokens_total += n
+            request.num_computed_tokens += n
             self.kv_cache.cache_full_blocks(request)
             if token is None:
                 continue
@@ -312,6 +315,6 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if last == self.eos_token_id and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if len(request.output_token_ids) >= params.max_tokens or len(request.token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
