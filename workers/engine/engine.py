@@ -133,6 +133,8 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, backend, config.seed, eos, kv_dtype,
                                   cuda_graph_batch=graph_batch, max_model_len=self.max_model_len)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Requests that got a token in the last launched step, post-processed during the next step (below).
+        self._deferred: list[Request] = []
         self.structured_outputs = StructuredOutputs(self.tokenizer.hf, model.config.vocab_size)
         self._ids = itertools.count()
         # torch + transformers leave ~350K tracked objects; a full GC pass over them stalls a step
@@ -143,7 +145,7 @@ class Engine:
     # ---- requests ----
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._deferred)
 
     def tokenize(self, prompt: PromptInput) -> list[int]:
         """Token ids of a raw prompt (text or ids) or of ``{"messages": [...]}`` / ``{"prompt": ...}``."""
@@ -282,18 +284,36 @@ class Engine:
 
     # ---- one iteration ----
     def step(self) -> StepResult:
-        """Schedule, run the model, postprocess; returns what the step did."""
+        """Schedule, run the model, postprocess; returns what the step did.
+
+        A step the runner can launch without waiting (on a GPU: a decode step replayed from a CUDA graph,
+        sampled by argmax) overlaps the host's work: its kernels run while the host post-processes the
+        previous step's tokens (detokenize, stop strings, outputs), as SGLang's overlap scheduler does; its
+        own outputs come with the next step. The scheduler already holds its tokens, and EOS, stop token
+        ids and max_tokens finish requests at once; a stop string, found while post-processing, finishes its
+        request one step late, and the token that step sampled for it is dropped (``update_from_output``
+        skips a finished request), so outputs are the same token for token."""
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for request in sched.shed:
             self._forget(request.request_id)
-        outputs: list[RequestOutput] = []
-        if sched.chunks:
-            sampled = self.runner.execute(sched)
-            outputs = [self._postprocess(r) for r in self.scheduler.update_from_output(sched, sampled)]
+        if self.runner.can_launch(sched):
+            launched = self.runner.launch(sched)
+            outputs = self._postprocess_deferred()  # while the GPU runs this step
+            self._deferred = self.scheduler.update_from_output(sched, self.runner.collect(launched))
+        else:
+            outputs = self._postprocess_deferred()
+            if sched.chunks:
+                sampled = self.runner.execute(sched)
+                outputs += [self._postprocess(r) for r in self.scheduler.update_from_output(sched, sampled)]
         return StepResult(outputs, sched.kv_reserved, [(r.request_id, now - r.arrival_time) for r in sched.shed],
                           sched.queue_seconds, self.block_pool.take_events(), sched.num_batched_tokens,
                           sched.is_decode_only)
+
+    def _postprocess_deferred(self) -> list[RequestOutput]:
+        """The outputs of the last launched step (an aborted request's are dropped: it was forgotten)."""
+        deferred, self._deferred = self._deferred, []
+        return [self._postprocess(r) for r in deferred if r.request_id in self._detokenizers]
 
     def _postprocess(self, request: Request) -> RequestOutput:
         # Every running request passes here every step: locals over repeated attribute and property reads.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,12 @@ from workers.engine.structured_output import accept
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.llama import LlamaModel
 from workers.model.timing_model import TimingModel
+
+
+class LaunchedStep(NamedTuple):
+    """A decode step queued on the GPU whose tokens the host has not read yet (``ModelRunner.launch``)."""
+
+    tokens: torch.Tensor  # [rows] int64 on the device, in the scheduler's chunk order
 
 
 class ModelRunner:
@@ -105,6 +112,38 @@ class ModelRunner:
             if row_samples:
                 results[i] = SampledToken(*next(sampled))
         return results
+
+    def can_launch(self, out: SchedulerOutput) -> bool:
+        """Whether ``launch`` takes the step: decode rows only, replayed from a captured graph, sampled by
+        argmax alone (``Request.plain_greedy``): nothing the host must do between the forward and the token."""
+        graphs = self.decode_graphs
+        chunks = out.chunks
+        return (graphs is not None and bool(chunks) and out.is_decode_only
+                and all(c.request.plain_greedy and c.samples for c in chunks)
+                and graphs.fits(len(chunks), max(len(c.block_ids) for c in chunks)))
+
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Queue a step that ``can_launch`` took (forward and argmax) and return without waiting for it; the
+        host reads its tokens with ``collect``. On a GPU the host is free meanwhile."""
+        assert self.decode_graphs is not None
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for chunk in out.chunks:  # decode rows only: already in the order the graph takes them
+            req, table = chunk.request, chunk.block_ids
+            p = req.num_computed_tokens
+            input_ids.append(req.token_ids[p])
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+        logits = self.decode_graphs.forward(input_ids, positions, slots, [p + 1 for p in positions],
+                                            [c.block_ids for c in out.chunks])
+        return LaunchedStep(argmax_rows(logits))  # queued behind the replay, before the next one reuses its logits
+
+    @staticmethod
+    def collect(step: LaunchedStep) -> list[SampledToken | None]:
+        """The tokens of a launched step, per chunk (waits for the GPU)."""
+        return [SampledToken(t, None) for t in step.tokens.tolist()]
 
     def _forward(self, rows: Sequence[ScheduledChunk], input_ids: list[int], positions: list[int], slots: list[int],
                  logit_rows: list[int], prompt_rows: list[int], is_decode_only: bool) -> torch.Tensor:

@@ -64,7 +64,8 @@ class Request:
     grammar: Any = None
     _block_hashes: list[int] = field(default_factory=list)
     # Greedy with nothing else asked of the sampler (no logit adjustments, grammar or logprobs): a batch of
-    # only such rows samples by one argmax (the runner's fast path; most chats at temperature 0).
+    # only such rows samples by one argmax (the runner's fast path; most chats at temperature 0), and on a
+    # GPU its decode steps overlap the host's work (Engine.step).
     plain_greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -72,7 +73,7 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
         p = self.sampling_params
         self.plain_greedy = (p.is_greedy and not p.adjusts_logits and not p.has_grammar and not p.logprobs
-                             and not p.top_logprobs)
+                             and not p.top_logprobs and p.prompt_logprobs is None)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,86 @@
+"""Decode steps launched without waiting (``Engine.step`` on a GPU: a CUDA-graph replay sampled by argmax), their
+outputs post-processed during the next step. Here the graphs are eager forwards over the graphs' own buffers
+(``EagerDecodeGraphs``), so the engine takes the launched path on CPU; ``test_engine_cuda.py`` runs real graphs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.tiny_model import tiny_model
+from tests.workers.test_decode_graphs import EagerDecodeGraphs
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.protocol.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(default_model_and_tokenizer):
+    return tiny_model(seed=7, max_positions=512), default_model_and_tokenizer[1]
+
+
+def make_engine(model_and_tokenizer, launched: bool) -> tuple[Engine, list[int]]:
+    """An engine, and a list that grows by one for each step it launched."""
+    model, tokenizer = model_and_tokenizer
+    engine = Engine(EngineConfig(num_kv_blocks=200, max_num_seqs=8, attention_backend="triton", prefill_chunk_size=32),
+                    model=model, tokenizer=tokenizer)
+    launches: list[int] = []
+    if launched:
+        graphs = EagerDecodeGraphs(model, engine.runner.kv_cache, block_size=16, max_batch=8, max_model_len=512,
+                                   backend="triton")
+        graphs.capture()
+        engine.runner.decode_graphs = graphs
+        launch = engine.runner.launch
+        engine.runner.launch = lambda out: launches.append(1) or launch(out)  # type: ignore[method-assign]
+    return engine, launches
+
+
+def test_launched_steps_give_the_synchronous_outputs(model_and_tokenizer):
+    """Requests that end by max_tokens, by a stop token id and by a stop string (found a step late there: the
+    token sampled meanwhile is dropped) give the same tokens, text and finish reasons either way."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 60))] for _ in range(6)]
+    plain = [SamplingParams(max_tokens=12 + 4 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    free = make_engine(model_and_tokenizer, launched=False)[0].generate(prompts, plain)
+    # Finishes that come before max_tokens, taken from what the model writes.
+    stop_id = free[1].token_ids[5]
+    stop_text = free[2].text[len(free[2].text) // 2 :][:3]
+    assert stop_text.strip(), "the stop string must be visible text"
+    params = list(plain)
+    params[1] = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    params[2] = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop_text])
+    expected = make_engine(model_and_tokenizer, launched=False)[0].generate(prompts, params)
+    engine, launches = make_engine(model_and_tokenizer, launched=True)
+    got = engine.generate(prompts, params)
+    assert len(launches) >= 20, "the decode steps were launched"
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
+    assert got[1].finish_reason == got[2].finish_reason == "stop" and len(got[1].token_ids) < 30
+    for a, b in zip(got, expected, strict=True):
+        assert (a.token_ids, a.text) == (b.token_ids, b.text)
+    assert engine.block_pool.num_used_blocks == 0 and not engine.has_unfinished
+
+
+def test_a_request_aborted_while_its_outputs_wait_gives_none(model_and_tokenizer):
+    engine, launches = make_engine(model_and_tokenizer, launched=True)
+    ids = [engine.add_request([300 + i, 400, 500], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+           for i in range(3)]
+    while not launches:
+        engine.step()
+    assert engine._deferred, "a launched step leaves its outputs for the next"
+    assert engine.abort(ids[1])
+    counts = dict.fromkeys(ids, 0)
+    while engine.has_unfinished:
+        for out in engine.step().outputs:
+            counts[out.request_id] += 1
+            assert out.request_id != ids[1], "no output after the abort"
+    assert counts[ids[0]] == counts[ids[2]] > 0
+    assert engine.block_pool.num_used_blocks == 0
+
+
+def test_a_step_with_more_than_argmax_to_do_runs_synchronously(model_and_tokenizer):
+    """One row asking for logprobs keeps the whole step synchronous (the host reads more than the tokens)."""
+    engine, launches = make_engine(model_and_tokenizer, launched=True)
+    engine.generate([[300, 400, 500], [301, 401]], [SamplingParams(max_tokens=8, temperature=0),
+                                                  SamplingParams(max_tokens=8, temperature=0, logprobs=True)])
+    assert not launches
