@@ -110,7 +110,7 @@ def test_rust_stream_gives_the_window_decodes_pieces(tokenizer, skip):
     rng = random.Random(1)
     ids = tokenizer.encode(TEXT) + [rng.randrange(len(tokenizer.hf)) for _ in range(300)]
     ids[40:40] = [0, 1, 2]  # special tokens mid-text
-    prompt = [5, 6, 7, 8, 9, 10]
+    prompt = [5, 1, 7, 2, 9, 10]  # special tokens in the context the first piece is decoded after, too
 
     def pieces(tok):
         det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
