@@ -29,6 +29,15 @@ class LaunchedStep(NamedTuple):
     tokens: torch.Tensor  # [rows] int64 on the device, in the scheduler's chunk order
 
 
+class StepInputs(NamedTuple):
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    logit_rows: list[int]  # rows whose logits give the sampled tokens
+    prompt_rows: list[int]  # after them: prompt positions whose logits give prompt logprobs
+    prompt_spans: list[tuple[Request, int, int]]  # (request, first prompt position, count)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel | TimingModel, num_blocks: int, block_size: int,
                  attention_backend: str | None = None, seed: int = 0, eos_token_id: int | None = None,
@@ -60,34 +69,9 @@ class ModelRunner:
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new_tokens != 1)  # decodes first
         rows = [chunks[i] for i in order]
         samples = [c.samples for c in rows]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logit_rows: list[int] = []
-        prompt_rows: list[int] = []  # after the sampled rows: prompt positions whose logits give logprobs
-        prompt_spans: list[tuple[Request, int, int]] = []  # (request, first prompt position, count)
-        bs = self.block_size
-        for chunk, row_samples in zip(rows, samples, strict=True):
-            req, n, table = chunk.request, chunk.num_new_tokens, chunk.block_ids
-            start = req.num_computed_tokens
-            if n == 1:  # a decode row (most rows, every step): no ranges or slices
-                input_ids.append(req.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(req.token_ids[start : start + n])
-                pos = range(start, start + n)
-                positions.extend(pos)
-                slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if row_samples:
-                logit_rows.append(len(input_ids) - 1)
-            if req.needs_prompt_logits:  # position p's logits give prompt token p + 1's log probability
-                lo, hi = max(start, len(req.prompt_logprobs)), min(start + n, req.num_prompt_tokens - 1)
-                if hi > lo:
-                    prompt_spans.append((req, lo, hi - lo))
-                    first_row = len(input_ids) - n + lo - start
-                    prompt_rows.extend(range(first_row, first_row + hi - lo))
-        logits = self._forward(rows, input_ids, positions, slots, logit_rows, prompt_rows, out.is_decode_only)
+        inputs = self._step_inputs(rows, samples)
+        logits = self._forward(rows, inputs, out.is_decode_only)
+        logit_rows, prompt_spans = inputs.logit_rows, inputs.prompt_spans
         if prompt_spans:
             _add_prompt_logprobs(logits[len(logit_rows):], prompt_spans)
             logits = logits[: len(logit_rows)]
@@ -125,19 +109,9 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Queue a step that ``can_launch`` took (forward and argmax) and return without waiting for it; the
         host reads its tokens with ``collect``. On a GPU the host is free meanwhile."""
-        assert self.decode_graphs is not None
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for chunk in out.chunks:  # decode rows only: already in the order the graph takes them
-            req, table = chunk.request, chunk.block_ids
-            p = req.num_computed_tokens
-            input_ids.append(req.token_ids[p])
-            positions.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-        logits = self.decode_graphs.forward(input_ids, positions, slots, [p + 1 for p in positions],
-                                            [c.block_ids for c in out.chunks])
+        rows = out.chunks  # decode rows only, each sampled: already in the order the graph takes them
+        inputs = self._step_inputs(rows, [True] * len(rows))
+        logits = self._forward(rows, inputs, True)
         return LaunchedStep(argmax_rows(logits))  # queued behind the replay, before the next one reuses its logits
 
     @staticmethod
@@ -145,22 +119,49 @@ class ModelRunner:
         """The tokens of a launched step, per chunk (waits for the GPU)."""
         return [SampledToken(t, None) for t in step.tokens.tolist()]
 
-    def _forward(self, rows: Sequence[ScheduledChunk], input_ids: list[int], positions: list[int], slots: list[int],
-                 logit_rows: list[int], prompt_rows: list[int], is_decode_only: bool) -> torch.Tensor:
+    def _step_inputs(self, rows: Sequence[ScheduledChunk], samples: Sequence[bool]) -> StepInputs:
+        """The model's inputs for ``rows`` (decodes first), and where their logits are read."""
+        inputs = StepInputs([], [], [], [], [], [])
+        input_ids, positions, slots = inputs.input_ids, inputs.positions, inputs.slots
+        bs = self.block_size
+        for chunk, row_samples in zip(rows, samples, strict=True):
+            req, n, table = chunk.request, chunk.num_new_tokens, chunk.block_ids
+            start = req.num_computed_tokens
+            if n == 1:  # a decode row (most rows, every step): no ranges or slices
+                input_ids.append(req.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(req.token_ids[start : start + n])
+                pos = range(start, start + n)
+                positions.extend(pos)
+                slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if row_samples:
+                inputs.logit_rows.append(len(input_ids) - 1)
+            if req.needs_prompt_logits:  # position p's logits give prompt token p + 1's log probability
+                lo, hi = max(start, len(req.prompt_logprobs)), min(start + n, req.num_prompt_tokens - 1)
+                if hi > lo:
+                    inputs.prompt_spans.append((req, lo, hi - lo))
+                    first_row = len(input_ids) - n + lo - start
+                    inputs.prompt_rows.extend(range(first_row, first_row + hi - lo))
+        return inputs
+
+    def _forward(self, rows: Sequence[ScheduledChunk], inputs: StepInputs, is_decode_only: bool) -> torch.Tensor:
         """Logits of ``logit_rows`` then ``prompt_rows``: a captured CUDA graph where one holds the step, else
         the model launched eagerly."""
         dev = self.device
         graphs = self.decode_graphs
-        if (graphs is not None and is_decode_only and not prompt_rows
+        if (graphs is not None and is_decode_only and not inputs.prompt_rows
                 and graphs.fits(len(rows), max(len(c.block_ids) for c in rows))):
-            logits = graphs.forward(input_ids, positions, slots, [p + 1 for p in positions],
-                                    [c.block_ids for c in rows])
-            if len(logit_rows) < len(rows):  # a one-token prompt chunk that does not reach its end
-                logits = logits[torch.tensor(logit_rows, device=dev, dtype=torch.long)]
+            logits = graphs.forward(inputs.input_ids, inputs.positions, inputs.slots,
+                                    [p + 1 for p in inputs.positions], [c.block_ids for c in rows])
+            if len(inputs.logit_rows) < len(rows):  # a one-token prompt chunk that does not reach its end
+                logits = logits[torch.tensor(inputs.logit_rows, device=dev, dtype=torch.long)]
             return logits
         return self.model.forward(
-            torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), self.kv_cache,
-            self._attention_metadata(rows, slots), torch.tensor(logit_rows + prompt_rows, device=dev, dtype=torch.long),
+            torch.tensor(inputs.input_ids, device=dev), torch.tensor(inputs.positions, device=dev), self.kv_cache,
+            self._attention_metadata(rows, inputs.slots),
+            torch.tensor(inputs.logit_rows + inputs.prompt_rows, device=dev, dtype=torch.long),
         )
 
     def _attention_metadata(self, rows: Sequence[ScheduledChunk], slots: list[int]) -> AttentionMetadata:
