@@ -40,6 +40,7 @@ from workers.engine.engine import Engine  # noqa: E402
 from workers.protocol.sampling_params import SamplingParams  # noqa: E402
 
 T = TypeVar("T")
+PARTS = {"decode", "ttft", "throughput"}
 EngineFactory = Callable[..., Engine]
 
 
@@ -162,6 +163,9 @@ def main() -> None:
                         help="which measurements to run (decode: the step against its kernels, a few rounds)")
     parser.add_argument("--decode-rounds", type=int, default=1, help="decode-step measurements of each kind")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= PARTS:
+        parser.error(f"--parts: unknown {sorted(parts - PARTS)}; choose among {sorted(PARTS)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_engine_gpu needs a CUDA GPU")
     from transformers import AutoModelForCausalLM
@@ -175,7 +179,6 @@ def main() -> None:
     def engine_for(**knobs: object) -> Engine:
         return Engine(EngineConfig(**knobs), model=base.model, tokenizer=base.tokenizer)  # type: ignore[arg-type]
 
-    parts = set(args.parts.split(","))
     print("| measurement | tandem | reference | ratio |")
     print("| --- | --- | --- | --- |")
     if "decode" in parts:
