@@ -6,7 +6,10 @@
 // bit-identical to the Python loop in workers/model/llama.py; only the interpreter is gone.
 //
 // Decode-only steps (one token a sequence, attention through the paged cache), fp32, weights kept as
-// GGUF blocks (Q4_1 or Q8_0 per matrix). Per layer, 7 tensors in `weights`:
+// GGUF blocks (Q4_1 or Q8_0 per matrix). The weights are packed once into a DecoderWeights object (a TorchScript
+// custom class, as torch's own prepacked quantized linear weights are) and the step passes that one handle: passed
+// as a Tensor[] of 210 and an int[] of 120 every step, they cost ~0.15 ms of argument parsing (6% of a batch-1 step).
+// Per layer, 7 tensors in `weights`:
 //   attn_norm [H], qkv [N_qkv, bytes], qkv_bias [N_qkv] or empty, o_proj, mlp_norm [H], gate_up, down
 // and 4 codes in `formats` (qkv, o_proj, gate_up, down): 0 = Q4_1, 1 = Q8_0, 2 = Q4_1 interleaved by 8 rows,
 // 3 = Q8_0 interleaved by 8 rows.
@@ -17,6 +20,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -47,27 +51,46 @@ std::vector<tandem_cpu::PrefetchTarget> prefetch_plan(at::TensorList weights, at
   return plan;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t format) {
+// A stack's weights, checked and packed once: what every step of the model passes to decode_layers_.
+struct DecoderWeights : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> formats;
+
+  DecoderWeights(std::vector<at::Tensor> w, std::vector<int64_t> f) : weights(std::move(w)), formats(std::move(f)) {
+    const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
+    TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer && layers > 0,
+                "weights must hold 7 tensors a layer, got ", weights.size());
+    TORCH_CHECK(static_cast<int64_t>(formats.size()) == layers * kFormatsPerLayer, "formats must hold 4 codes a layer");
+    for (const int64_t code : formats)
+      TORCH_CHECK(code >= 0 && code <= 3, "format code ", code, " is none of Q4_1 (0), Q8_0 (1), Q4_1 by 8 rows (2), "
+                  "Q8_0 by 8 rows (3)");
+  }
+
+  int64_t layers() const { return static_cast<int64_t>(weights.size()) / kPerLayer; }
+};
+
+// y = x w^T into y's storage.
+void linear(const at::Tensor& x, const at::Tensor& w, int64_t format, at::Tensor& y) {
   switch (format) {
-    case 0: return tandem_cpu::q4_1_linear(x, w);
-    case 1: return tandem_cpu::q8_0_linear(x, w);
-    case 2: return tandem_cpu::q4_1x8_linear(x, w);
-    default: return tandem_cpu::q8_0x8_linear(x, w);
+    case 0: tandem_cpu::q4_1_linear_out(x, w, y); break;
+    case 1: tandem_cpu::q8_0_linear_out(x, w, y); break;
+    case 2: tandem_cpu::q4_1x8_linear_out(x, w, y); break;
+    default: tandem_cpu::q8_0x8_linear_out(x, w, y); break;
   }
 }
 
-void decode_layers_(at::Tensor& h, at::TensorList weights, at::IntArrayRef formats,
+// The rows a matrix gives: x8 formats hold 8 rows a group.
+int64_t out_rows(const at::Tensor& w, int64_t format) { return w.size(0) * (format >= 2 ? 8 : 1); }
+
+void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& packed,
                     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
                     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                     int64_t num_heads, int64_t num_kv_heads, double scale, double eps) {
-  const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer && layers > 0,
-              "weights must hold 7 tensors a layer, got ", weights.size());
-  TORCH_CHECK(static_cast<int64_t>(formats.size()) == layers * kFormatsPerLayer, "formats must hold 4 codes a layer");
-  for (const int64_t f : formats)
-    TORCH_CHECK(f >= 0 && f <= 3, "format code ", f, " is none of Q4_1 (0), Q8_0 (1), Q4_1 by 8 rows (2), "
-                "Q8_0 by 8 rows (3)");
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat, "h must be [B, hidden] contiguous fp32");
+  const at::TensorList weights = packed->weights;
+  const at::IntArrayRef formats = packed->formats;
+  const int64_t layers = packed->layers();
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat && h.size(0) > 0,
+              "h must be [B, hidden] contiguous fp32, B > 0");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == layers && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be [layers, 2, num_blocks, block_size, KVH, D] contiguous, one layer per 7 weights");
   // An int8 cache's head rows end in a 4-byte scale (paged_decode_cpu.cpp).
@@ -80,33 +103,45 @@ void decode_layers_(at::Tensor& h, at::TensorList weights, at::IntArrayRef forma
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
 
   const std::vector<tandem_cpu::PrefetchTarget> plan = prefetch_plan(weights, formats, B);
+  // Every layer's activations have one shape: one buffer each for the whole step, not a tensor an op a layer.
+  const auto buffer = [&](int64_t cols) { return at::empty({B, cols}, h.options()); };
+  at::Tensor x = buffer(h.size(1)), qkv = buffer(q_size + 2 * kv_size), o = buffer(q_size);
+  at::Tensor o_proj = buffer(h.size(1)), gate_up = buffer(out_rows(weights[5], formats[2]));
+  at::Tensor act = buffer(gate_up.size(1) / 2), mlp_out = buffer(h.size(1));
+  const at::Tensor q_heads = qkv.narrow(1, 0, q_size).view({B, num_heads, D});  // as paged attention reads them
+  at::Tensor o_heads = o.view({B, num_heads, D});
+  at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({B, num_heads + num_kv_heads, D});
+  const at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, D});
   const auto run_layers = [&] {
     tandem_cpu::prefetch_plan(plan.data(), static_cast<int64_t>(plan.size()));
     // Layer i's matrix j is plan entry 4i + j: the workers prefetch the one after the entry the leader is on.
-    const auto multiply = [&](int64_t i, int64_t j, const at::Tensor& x) {
+    const auto multiply = [&](int64_t i, int64_t j, const at::Tensor& in, at::Tensor& out) {
       tandem_cpu::prefetch_reached(i * kFormatsPerLayer + j);
-      return linear(x, weights[i * kPerLayer + kMatrixSlots[j]], formats[i * kFormatsPerLayer + j]);
+      const at::Tensor& w = weights[i * kPerLayer + kMatrixSlots[j]];
+      const int64_t format = formats[i * kFormatsPerLayer + j];
+      static constexpr const char* kNames[kFormatsPerLayer] = {"qkv", "o_proj", "gate_up", "down"};
+      TORCH_CHECK(out_rows(w, format) == out.size(1), "layer ", i, ": ", kNames[j], " has ", out_rows(w, format),
+                  " rows, the heads and sizes need ", out.size(1));
+      linear(in, w, format, out);
     };
-    at::Tensor mlp_out;
     for (int64_t i = 0; i < layers; ++i) {
       const at::Tensor* w = weights.data() + i * kPerLayer;
       // The previous layer's MLP output joins h in this layer's fused norm.
-      at::Tensor x = i == 0 ? tandem_cpu::rms_norm(h, w[0], eps) : tandem_cpu::add_rms_norm_(h, mlp_out, w[0], eps);
-      at::Tensor qkv = multiply(i, 0, x);
-      TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer ", i, ": qkv has ", qkv.size(1), " rows, heads need ",
-                  q_size + 2 * kv_size);
-      if (w[2].numel()) qkv = qkv + w[2];
-      at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({B, num_heads + num_kv_heads, D});
+      if (i == 0) tandem_cpu::rms_norm_out(h, w[0], eps, x);
+      else tandem_cpu::add_rms_norm_out_(h, mlp_out, w[0], eps, x);
+      multiply(i, 0, x, qkv);
+      if (w[2].numel()) qkv.add_(w[2]);
       tandem_cpu::rope_(qk, cos, sin);  // Q and K heads are adjacent in each row: one pass rotates both
-      const at::Tensor q = qk.narrow(1, 0, num_heads);  // attention reads rows of QKV in place
-      const at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
-      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, D});
       at::Tensor layer_cache = kv_cache.select(0, i);
       at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
       tandem_cpu::store_kv(k, v, k_cache, v_cache, slots);
-      const at::Tensor o = tandem_cpu::paged_decode_attention(q, k_cache, v_cache, tables, lens, scale);
-      x = tandem_cpu::add_rms_norm_(h, multiply(i, 1, o.view({B, q_size})), w[4], eps);
-      mlp_out = multiply(i, 3, tandem_cpu::silu_mul(multiply(i, 2, x)));
+      tandem_cpu::paged_decode_attention_out(q_heads, k_cache, v_cache, tables, lens, scale, o_heads);
+      multiply(i, 1, o, o_proj);
+      tandem_cpu::add_rms_norm_out_(h, o_proj, w[4], eps, x);
+      multiply(i, 2, x, gate_up);
+      tandem_cpu::silu_mul_out(gate_up, act);
+      multiply(i, 3, act, mlp_out);
     }
     h.add_(mlp_out);
   };
@@ -117,7 +152,9 @@ void decode_layers_(at::Tensor& h, at::TensorList weights, at::IntArrayRef forma
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("decode_layers_(Tensor(a!) h, Tensor[] weights, int[] formats, Tensor cos, Tensor sin, Tensor(b!) kv_cache, "
+  m.class_<DecoderWeights>("DecoderWeights").def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>>());
+  m.def("decode_layers_(Tensor(a!) h, __torch__.torch.classes.tandem_cpu.DecoderWeights weights, Tensor cos, "
+        "Tensor sin, Tensor(b!) kv_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, "
         "float eps) -> ()");
 }

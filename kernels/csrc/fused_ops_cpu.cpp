@@ -62,20 +62,25 @@ void norm_row(const float* x, const float* w, float* out, int64_t H, float eps) 
 
 namespace tandem_cpu {
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
   check_rows(x, "x");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kFloat && w.numel() == x.size(1), "w must be [H] fp32");
   const int64_t M = x.size(0), H = x.size(1);
-  at::Tensor out = at::empty({M, H}, x.options());
+  check_out(out, M, H);
   tandem_cpu::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       norm_row(x.data_ptr<float>() + m * x.stride(0), w.data_ptr<float>(), out.data_ptr<float>() + m * H, H,
                static_cast<float>(eps));
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rms_norm_out(x, w, eps, out);
   return out;
 }
 
-at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps) {
+void add_rms_norm_out_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps, at::Tensor& out) {
   check_rows(h, "h");
   check_rows(d, "d");
   TORCH_CHECK(h.sizes() == d.sizes(), "h and d must have one shape");
@@ -87,14 +92,20 @@ at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w
       at::vec::map2([](Vec a, Vec b) { return a + b; }, hr, hr, dr, H);
     }
   });
-  return rms_norm(h, w, eps);
+  rms_norm_out(h, w, eps, out);
 }
 
-at::Tensor silu_mul(const at::Tensor& gu) {
+at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps) {
+  at::Tensor out = at::empty(h.sizes(), h.options());
+  add_rms_norm_out_(h, d, w, eps, out);
+  return out;
+}
+
+void silu_mul_out(const at::Tensor& gu, at::Tensor& out) {
   check_rows(gu, "gu");
   TORCH_CHECK(gu.size(1) % 2 == 0, "gu must hold gate and up halves");
   const int64_t M = gu.size(0), I = gu.size(1) / 2;
-  at::Tensor out = at::empty({M, I}, gu.options());
+  check_out(out, M, I);
   tandem_cpu::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* g = gu.data_ptr<float>() + m * gu.stride(0);
@@ -102,6 +113,11 @@ at::Tensor silu_mul(const at::Tensor& gu) {
                     out.data_ptr<float>() + m * I, g, g + I, I);
     }
   });
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  at::Tensor out = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  silu_mul_out(gu, out);
   return out;
 }
 

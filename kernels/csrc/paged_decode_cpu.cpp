@@ -261,7 +261,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     part_sum.assign(items * splits * s.per_kv, 0.f);  // 0: a range past its sequence's end
   }
   tandem_cpu::parallel_for(0, items * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, q_scaled(s.per_kv * D);
+    // Each thread's scratch, kept between calls: fresh vectors were two mallocs a thread a layer.
+    thread_local std::vector<float> scores, q_scaled;
+    q_scaled.resize(s.per_kv * D);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t item = work / splits, part = work % splits;
       const int64_t b = item / s.kv_heads, g = item % s.kv_heads;
@@ -334,18 +336,26 @@ void quantize_head_row(const float* x, int64_t d, int8_t* out) {
 
 namespace tandem_cpu {
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+void paged_decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                at::Tensor& out) {
   tandem_cpu::check_attention_inputs(q, k_cache, v_cache, /*strided_rows=*/true);
   const at::ScalarType cache_type = k_cache.scalar_type();
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables only");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous tensors only");
   TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxHeadsPerKV, "too many query heads per KV head");
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat,
+              "out must be contiguous fp32 of q's shape");
   const float fscale = static_cast<float>(scale);
   tandem_cpu::with_head_and_cache(q.size(2), cache_type, [&](auto d, auto t) {
     attend<decltype(d)::value, decltype(t)>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);
   });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  paged_decode_attention_out(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   return out;
 }
 

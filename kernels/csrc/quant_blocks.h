@@ -67,9 +67,20 @@ inline void quantize_block(const float* x, int8_t* q, float* scale, float* sum) 
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i8);
 }
 
-inline QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
+// Into this thread's own buffers, reused call to call (valid until its next quantize_x): a decode step quantizes x
+// ~120 times, and fresh vectors were three mallocs each (glibc consolidates its fast bins before every one of
+// 1 KB or more). The buffers keep the largest x seen (a prefill chunk's: under 1 MB).
+inline QuantizedX& this_threads_x() {
+  thread_local QuantizedX buffers;
+  return buffers;
+}
+
+inline const QuantizedX& quantize_x(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock;
-  QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  QuantizedX& out = this_threads_x();  // a reference, so the team's workers fill the caller's buffers, not theirs
+  out.q.resize(M * K);
+  out.scale.resize(M * nb);
+  out.sum.resize(M * nb);
   tandem_cpu::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       quantize_block(x + i * kBlock, out.q.data() + i * kBlock, &out.scale[i], &out.sum[i]);

@@ -130,19 +130,18 @@ void check_args(const at::Tensor& x, const at::Tensor& w, int64_t block_bytes) {
 }
 
 template <typename F>
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w) {
+void quant_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   check_args(x, w, F::kBytes);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), row_bytes = w.size(1);
-  at::Tensor y = at::empty({M, N}, x.options());
+  tandem_cpu::check_out(y, M, N);
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // Each thread walks its own weight rows; every row meets all of x (M small: x stays in L1/L2).
-  const QuantizedX qx = quantize_x(xp, M, K);
+  const QuantizedX& qx = quantize_x(xp, M, K);
   tandem_cpu::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     linear_block<F>(qx, M, K, wp, row_bytes, yp, N, begin, end);
   });
-  return y;
 }
 
 template <typename F>
@@ -164,8 +163,18 @@ at::Tensor dequantize(const at::Tensor& w, int64_t K) {
 
 namespace tandem_cpu {
 
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w) { return quant_linear<Q4_1>(x, w); }
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w) { return quant_linear<Q8_0>(x, w); }
+void q4_1_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { quant_linear_out<Q4_1>(x, w, y); }
+void q8_0_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { quant_linear_out<Q8_0>(x, w, y); }
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w) {
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  q4_1_linear_out(x, w, y);
+  return y;
+}
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w) {
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  q8_0_linear_out(x, w, y);
+  return y;
+}
 
 }  // namespace tandem_cpu
 

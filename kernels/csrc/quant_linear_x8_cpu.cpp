@@ -142,14 +142,14 @@ at::Tensor to_x8(const at::Tensor& w, int64_t K) {
 }
 
 template <typename F>
-at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
+void x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] contiguous fp32");
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32, got ", x.size(1));
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N / 8, bytes] uint8");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, groups = w.size(0), N = groups * kX8Rows;
   TORCH_CHECK(w.size(1) == nb * F::kBytes, "w has ", w.size(1), " bytes a group; K=", K, " needs ", nb * F::kBytes);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const QuantizedX qx = quantize_x(x.data_ptr<float>(), M, K);
+  tandem_cpu::check_out(y, M, N);
+  const QuantizedX& qx = quantize_x(x.data_ptr<float>(), M, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   constexpr bool kQ4_1 = F::kBytes == Q4_1x8::kBytes;
@@ -164,6 +164,12 @@ at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
   // leader. A row's output does not depend on the cut (an odd group on the 256-bit loop gives the same bits).
   tandem_cpu::prefetched_parallel_for(0, groups, kGroupGrain,
                            [&](int64_t begin, int64_t end) { groups_fn(qx, M, nb, wp, begin, end, yp, N); });
+}
+
+template <typename F>
+at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
+  at::Tensor y = at::empty({x.size(0), w.size(0) * kX8Rows}, x.options());
+  x8_linear_out<F>(x, w, y);
   return y;
 }
 
@@ -213,6 +219,8 @@ namespace tandem_cpu {
 
 at::Tensor q4_1x8_linear(const at::Tensor& x, const at::Tensor& w) { return x8_linear<Q4_1x8>(x, w); }
 at::Tensor q8_0x8_linear(const at::Tensor& x, const at::Tensor& w) { return x8_linear<Q8_0x8>(x, w); }
+void q4_1x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q4_1x8>(x, w, y); }
+void q8_0x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q8_0x8>(x, w, y); }
 
 PrefetchTarget x8_prefetch_target(const at::Tensor& w) {
   return {w.data_ptr<uint8_t>(), w.size(1), w.size(0), kGroupGrain};

@@ -3,10 +3,17 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include "thread_team.h"
 
 namespace tandem_cpu {
+
+// An _out form's y: [M, N] contiguous fp32.
+inline void check_out(const at::Tensor& y, int64_t M, int64_t N) {
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.is_contiguous() && y.scalar_type() == at::kFloat,
+              "out must be [", M, ", ", N, "] contiguous fp32");
+}
 
 // cpu_isa.cpp: the instruction set the kernels use now (the CPU's best unless set_isa narrowed it)
 enum class Isa { kAvx2, kAvxVnni, kAvx512Vnni };
@@ -17,15 +24,23 @@ int64_t min_rows_for_pairs();
 // paged_decode_cpu.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+void paged_decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                at::Tensor& out);
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
 
 // quant_linear_cpu.cpp: x [M, K] fp32 against a GGUF-blocked weight [N, K / 32 * block bytes] uint8
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w);
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w);
+// The _out forms write into y [M, N] (contiguous fp32) instead of a new tensor: a decode step reuses its buffers.
+void q4_1_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
+void q8_0_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 // quant_linear_x8_cpu.cpp: the same blocks interleaved by 8 rows, w [N / 8, K / 32 * 160 (Q4_1) or 272 (Q8_0)]
 at::Tensor q4_1x8_linear(const at::Tensor& x, const at::Tensor& w);
 at::Tensor q8_0x8_linear(const at::Tensor& x, const at::Tensor& w);
+void q4_1x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
+void q8_0x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 // w (either x8 format) as the rows q4_1x8_linear / q8_0x8_linear split among a thread team (thread_team.h)
 PrefetchTarget x8_prefetch_target(const at::Tensor& w);
 
@@ -33,6 +48,9 @@ PrefetchTarget x8_prefetch_target(const at::Tensor& w);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);
+void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);
+void add_rms_norm_out_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps, at::Tensor& out);
+void silu_mul_out(const at::Tensor& gu, at::Tensor& out);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor argmax_rows(const at::Tensor& x);
 
