@@ -118,6 +118,17 @@ def test_the_stack_refuses_a_malformed_call(quantized_model) -> None:
         stack.run_(h, cos, cos, kv, one.long(), one[None], one + 1, scale=1.0, eps=1e-5)
 
 
+def test_the_stack_refuses_an_empty_batch(quantized_model) -> None:
+    """No rows: a message, not a crash (a batch of 0 once divided by zero splitting the work: SIGFPE)."""
+    stack = quantized_model.decoder_stack
+    cfg = quantized_model.config
+    kv = torch.zeros(cfg.num_layers, 2, 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    none = torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="B > 0"):
+        stack.run_(torch.zeros(0, cfg.hidden_size), torch.ones(0, cfg.head_dim), torch.ones(0, cfg.head_dim), kv,
+                   none.long(), none[:, None], none, scale=1.0, eps=1e-5)
+
+
 def test_an_error_inside_the_step_leaves_the_stack_working(quantized_model) -> None:
     """A check that fails mid-step (layer 0's QKV rows against too many heads) raises from inside the step's
     thread team (kernels/csrc/thread_team.h); the team's threads are released and the next step runs."""
