@@ -6,7 +6,7 @@ computed only for the rows that sample.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ import kernels
 from kernels import kv_quant
 from kernels.decoder_stack import DecoderStack
 from kernels.fused_ops import add_rms_norm_, rms_norm, rope_, silu_mul
+from kernels.huge_pages import huge_page_copies
 from kernels.quant_linear import QuantizedWeight, cat_rows, interleave, linear
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.config import ModelConfig
@@ -93,6 +94,7 @@ class LlamaModel:
                 gate_up=fast_layout(stack_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
                 down=fast_layout(take(p + "mlp.down_proj.weight")),
             ))
+        self._quantized_to_huge_pages()
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                     config.rope_scaling, device, dtype)
         self.scale = config.head_dim ** -0.5
@@ -100,6 +102,25 @@ class LlamaModel:
         # set it to None to compare with the Python loop below.
         self.decoder_stack: DecoderStack | None = DecoderStack.pack(
             self.layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+
+    def _quantized_to_huge_pages(self) -> None:
+        """The GGUF blocks every CPU decode step streams (the layers' matrices and the head) moved into memory
+        backed by huge pages, where fewer TLB misses and page-bound prefetcher stops make them quicker to stream
+        (kernels/huge_pages.py: batch-8 steps ~5% faster here)."""
+        layer_fields = ("qkv", "o_proj", "gate_up", "down")
+        owners = [(layer, name) for layer in self.layers for name in layer_fields
+                  if isinstance(getattr(layer, name), QuantizedWeight)]
+        heads = [w for w in {id(w): w for w in (self.lm_head, self.embed)}.values() if isinstance(w, QuantizedWeight)]
+        weights: list[QuantizedWeight] = [getattr(layer, name) for layer, name in owners] + heads
+        if not weights:
+            return
+        copies = iter(huge_page_copies([w.data for w in weights]))
+        for layer, name in owners:
+            setattr(layer, name, replace(getattr(layer, name), data=next(copies)))
+        moved = {id(w): replace(w, data=next(copies)) for w in heads}
+        tied = self.embed is self.lm_head
+        self.lm_head = moved.get(id(self.lm_head), self.lm_head)
+        self.embed = self.lm_head if tied else moved.get(id(self.embed), self.embed)
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One tensor for every layer's K and V: [layers, 2, num_blocks, block_size, KVH, D] (int8: D + 4, each

@@ -1,0 +1,62 @@
+"""Copies of CPU tensors in memory backed by transparent huge pages, for the weights a decode step streams.
+
+    data = huge_page_copies([w.data for w in weights])   # same values, one 2 MB-aligned mapping
+
+A batch-1 decode step reads every weight once. From 4 KB pages each page is a TLB miss and a place where
+the hardware prefetcher stops. Measured on a 2-core Zen 5 VM at ~48 GB/s: 221 MB of random Q4_1 blocks of
+gate_up's shape streamed through the kernel at ~25 GB/s on one core from 4 KB pages and ~36 from 2 MB pages;
+the default model's own 66 MB of layer matrices 1.12x faster on one core and 1.05x on two, its decode step
+1.05x faster at batch 8 and no faster at batch 1 (``tests/bench/bench_huge_pages.py``).
+Linux backs anonymous memory with huge pages where THP is "always", or "madvise" (Debian's and Ubuntu's
+default) and the range is advised MADV_HUGEPAGE, as here. Where THP is "never", or off Linux, the copies
+are plain memory: the same values, read as before. ``TANDEM_HUGE_PAGES=0`` makes plain copies everywhere
+(A/B benchmarks).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+HUGE_PAGE = 2 << 20
+ALIGN = 64  # each copy starts on a cache line, as the kernels' loads prefer
+_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_page_copies(tensors: list[Tensor]) -> list[Tensor]:
+    """Contiguous copies of these CPU tensors, packed into one anonymous mapping advised for huge pages. The
+    copies keep the mapping alive; the originals can be dropped."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // ALIGN) * ALIGN
+    if total == 0 or os.environ.get("TANDEM_HUGE_PAGES") == "0":
+        return [t.contiguous().clone() for t in tensors]
+    # One huge page more than needed: the mapping's start need not be 2 MB-aligned, and only aligned 2 MB
+    # ranges can become huge pages.
+    region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping for as long as any view lives
+    start = -whole.data_ptr() % HUGE_PAGE
+    copies = []
+    for t, size, offset in zip(tensors, sizes, offsets, strict=True):
+        view = whole[start + offset: start + offset + size].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        copies.append(view)
+    return copies
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's THP setting ("always", "madvise" or "never"), or "unknown" where it does not say."""
+    try:
+        text = _THP_SETTING.read_text()
+    except OSError:
+        return "unknown"
+    chosen = [word[1:-1] for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else "unknown"
