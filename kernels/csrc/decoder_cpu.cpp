@@ -7,8 +7,8 @@
 //
 // Decode-only steps (one token a sequence, attention through the paged cache), fp32, weights kept as
 // GGUF blocks (Q4_1 or Q8_0 per matrix). The weights are packed once into a DecoderWeights object (a TorchScript
-// custom class, as torch's own prepacked quantized linear weights are) and the step passes that one handle: passed
-// as a Tensor[] of 210 and an int[] of 120 every step, they cost ~0.15 ms of argument parsing (6% of a batch-1 step).
+// custom class, as torch's own prepacked quantized linear weights are) and the step passes that one handle, not a
+// Tensor[] of 210 and an int[] of 120 to parse and check again every step.
 // Per layer, 7 tensors in `weights`:
 //   attn_norm [H], qkv [N_qkv, bytes], qkv_bias [N_qkv] or empty, o_proj, mlp_norm [H], gate_up, down
 // and 4 codes in `formats` (qkv, o_proj, gate_up, down): 0 = Q4_1, 1 = Q8_0, 2 = Q4_1 interleaved by 8 rows,
