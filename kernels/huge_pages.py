@@ -36,7 +36,7 @@ def huge_page_copies(tensors: list[Tensor]) -> list[Tensor]:
         offsets.append(total)
         total += -(-size // ALIGN) * ALIGN
     if total == 0 or os.environ.get("TANDEM_HUGE_PAGES") == "0":
-        return [t.contiguous().clone() for t in tensors]
+        return [t.clone(memory_format=torch.contiguous_format) for t in tensors]
     # One huge page more than needed: the mapping's start need not be 2 MB-aligned, and only aligned 2 MB
     # ranges can become huge pages.
     region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -30,9 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from kernels import cpu_kernel  # noqa: E402
 from kernels.huge_pages import transparent_huge_pages  # noqa: E402
 from kernels.quant_linear import QuantizedWeight, linear  # noqa: E402
+from tests.bench.bench_quant_decode import decode_step_seconds  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
-from workers.protocol.sampling_params import SamplingParams  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -70,22 +70,6 @@ def matrix_bandwidth(weights: list[QuantizedWeight], threads: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def decode_ms(eng: Engine, batch: int, steps: int, rng: random.Random) -> float:
-    torch.set_num_threads(2)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        eng.add_request([rng.randrange(100, 40000) for _ in range(rng.randrange(100, 160))], params)
-    times: list[float] = []
-    while eng.has_unfinished and len(times) < steps:
-        t0 = time.perf_counter()
-        result = eng.step()
-        if result.is_decode_only and result.num_tokens == batch:
-            times.append(time.perf_counter() - t0)
-    while eng.has_unfinished:
-        eng.step()
-    return statistics.median(times) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=4)
@@ -109,7 +93,8 @@ def main() -> None:
                 figures.setdefault(f"layers t{threads} {kind}", []).append(matrix_bandwidth(matrices[kind], threads))
         for kind in ("small", "huge"):
             for batch in (1, 8):
-                step_ms = decode_ms(engines[kind], batch, args.steps, rng)
+                torch.set_num_threads(2)
+                step_ms = decode_step_seconds(engines[kind], batch, args.steps, rng) * 1e3
                 figures.setdefault(f"decode b{batch} {kind}", []).append(step_ms)
         log(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in figures.items()))
     med = {k: statistics.median(v) for k, v in figures.items()}

@@ -107,20 +107,16 @@ class LlamaModel:
         """The GGUF blocks every CPU decode step streams (the layers' matrices and the head) moved into memory
         backed by huge pages, where fewer TLB misses and page-bound prefetcher stops make them quicker to stream
         (kernels/huge_pages.py: batch-8 steps ~5% faster here)."""
-        layer_fields = ("qkv", "o_proj", "gate_up", "down")
-        owners = [(layer, name) for layer in self.layers for name in layer_fields
-                  if isinstance(getattr(layer, name), QuantizedWeight)]
-        heads = [w for w in {id(w): w for w in (self.lm_head, self.embed)}.values() if isinstance(w, QuantizedWeight)]
-        weights: list[QuantizedWeight] = [getattr(layer, name) for layer, name in owners] + heads
-        if not weights:
-            return
-        copies = iter(huge_page_copies([w.data for w in weights]))
-        for layer, name in owners:
-            setattr(layer, name, replace(getattr(layer, name), data=next(copies)))
-        moved = {id(w): replace(w, data=next(copies)) for w in heads}
         tied = self.embed is self.lm_head
-        self.lm_head = moved.get(id(self.lm_head), self.lm_head)
-        self.embed = self.lm_head if tied else moved.get(id(self.embed), self.embed)
+        places: list[tuple[object, str]] = [(layer, name) for layer in self.layers
+                                            for name in ("qkv", "o_proj", "gate_up", "down")]
+        places += [(self, name) for name in (("lm_head",) if tied else ("lm_head", "embed"))]
+        places = [(owner, name) for owner, name in places if isinstance(getattr(owner, name), QuantizedWeight)]
+        copies = huge_page_copies([getattr(owner, name).data for owner, name in places])
+        for (owner, name), data in zip(places, copies, strict=True):
+            setattr(owner, name, replace(getattr(owner, name), data=data))
+        if tied:
+            self.embed = self.lm_head  # a tied embedding reads the head's bytes
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One tensor for every layer's K and V: [layers, 2, num_blocks, block_size, KVH, D] (int8: D + 4, each
