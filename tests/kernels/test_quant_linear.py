@@ -169,12 +169,14 @@ def test_argmax_rows_is_torchs_argmax() -> None:
     """The greedy token: the first of tied maxima, the first NaN of a row with any, +-inf, rows of every width
     (vector tails), and logits as the model gives them."""
     for width in (1, 7, 8, 9, 49152):
-        x = torch.randn(6, width)
+        x = torch.randn(7, width)
         x[1] = 0.5  # all tied
         x[2, width // 2] = float("inf")
         x[3] = float("-inf")
         x[4, -1] = float("nan")
         x[5, : width // 3] = float("nan")  # an empty slice below width 3
+        x[6] = -0.0
+        x[6, width // 2 :] = 0.0  # -0 and +0 tie: the first wins
         assert torch.equal(torch.ops.tandem_cpu.argmax_rows(x), x.argmax(dim=-1)), width
     logits = torch.randn(16, 49152) * 8
     logits[:, 1234] = logits.max() + 1
