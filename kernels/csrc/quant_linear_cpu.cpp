@@ -145,6 +145,13 @@ void quant_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
 }
 
 template <typename F>
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w) {
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  quant_linear_out<F>(x, w, y);
+  return y;
+}
+
+template <typename F>
 at::Tensor dequantize(const at::Tensor& w, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N, bytes] contiguous uint8");
   TORCH_CHECK(K % kBlock == 0 && w.size(1) == K / kBlock * F::kBytes, "w's row bytes do not match K=", K);
@@ -163,18 +170,10 @@ at::Tensor dequantize(const at::Tensor& w, int64_t K) {
 
 namespace tandem_cpu {
 
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w) { return quant_linear<Q4_1>(x, w); }
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w) { return quant_linear<Q8_0>(x, w); }
 void q4_1_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { quant_linear_out<Q4_1>(x, w, y); }
 void q8_0_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { quant_linear_out<Q8_0>(x, w, y); }
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w) {
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  q4_1_linear_out(x, w, y);
-  return y;
-}
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w) {
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  q8_0_linear_out(x, w, y);
-  return y;
-}
 
 }  // namespace tandem_cpu
 

@@ -4,7 +4,8 @@
 
 A decode step streams every weight once; ``LlamaModel`` moves its GGUF blocks into memory advised for
 transparent huge pages (kernels/huge_pages.py). Measured, alternating within each round:
-1. the read bandwidth of a ``sum`` over 256 MB (1 and 2 threads): what the bus gives a plain stream now;
+1. the read bandwidth of a ``sum`` over 512 MB (1 and 2 threads; bench_quant_decode's): what the bus gives a
+   plain stream now;
 2. the bundled model's 120 layer matrices (Q4_1 by 8 rows, 66 MB: twice this CPU's 32 MB L3) multiplied in a
    step's order by one row of x on 1 and 2 threads, the weights in 4 KB pages and then in huge pages (GB/s);
 3. engine decode steps at batch 1 and 8 (median), two engines of the default model, one built with
@@ -30,13 +31,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from kernels import cpu_kernel  # noqa: E402
 from kernels.huge_pages import transparent_huge_pages  # noqa: E402
 from kernels.quant_linear import QuantizedWeight, linear  # noqa: E402
-from tests.bench.bench_quant_decode import decode_step_seconds  # noqa: E402
+from tests.bench.bench_quant_decode import decode_step_seconds, log, read_bandwidth  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def engine(huge: bool) -> Engine:
@@ -47,14 +44,9 @@ def engine(huge: bool) -> Engine:
         del os.environ["TANDEM_HUGE_PAGES"]
 
 
-def sum_bandwidth(big: torch.Tensor, threads: int) -> float:
+def sum_bandwidth(threads: int) -> float:
     torch.set_num_threads(threads)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        big.sum()
-        times.append(time.perf_counter() - t0)
-    return big.numel() * 4 / statistics.median(times) / 1e9
+    return read_bandwidth() / 1e9
 
 
 def matrix_bandwidth(weights: list[QuantizedWeight], threads: int) -> float:
@@ -83,12 +75,11 @@ def main() -> None:
              for name in ("qkv", "o_proj", "gate_up", "down")]
     assert all(isinstance(w, QuantizedWeight) for w in stack), "the default model's GGUF weights stay quantized"
     matrices = {"huge": stack, "small": [QuantizedWeight(w.format, w.data.clone(), w.in_features) for w in stack]}
-    big = torch.ones(64 * 1024 * 1024)
     rng = random.Random(0)
     figures: dict[str, list[float]] = {}
     for r in range(args.rounds):
         for threads in (1, 2):
-            figures.setdefault(f"sum t{threads}", []).append(sum_bandwidth(big, threads))
+            figures.setdefault(f"sum t{threads}", []).append(sum_bandwidth(threads))
             for kind in ("small", "huge"):
                 figures.setdefault(f"layers t{threads} {kind}", []).append(matrix_bandwidth(matrices[kind], threads))
         for kind in ("small", "huge"):
