@@ -5,6 +5,7 @@ none of its keys behind. Real services, real Redis, KV over tcp; no Ray."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 
 import redis
@@ -49,9 +50,14 @@ def test_drain_leaves_routing_first_finishes_in_flight_and_late_requests_then_st
         await wait_for(lambda: len(worker_keys(r, keys, "d0")) == 4)  # registered, load, stream, snapshot
         first = asyncio.create_task(collect(decode, request(single, "r0", prompts[0], LONG)))
         await wait_for(lambda: decode.num_in_flight() == 1 and decode.loop.engine.stats().num_running == 1)
+        # Hold the engine thread between steps so the request cannot finish before we look (a fast
+        # step used to end its 40 tokens before the registry check ran).
+        held = threading.Event()
+        decode.loop.call(lambda e: held.wait(10.0))
         drain = asyncio.create_task(decode.drain(grace_s=0.5))
         await wait_for(lambda: not r.hexists(keys.registry, "d0"))
         assert not first.done(), "the worker must leave routing before its in-flight request ends"
+        held.set()
         # Routed by a router that had not yet seen d0 leave: still served, within the grace period.
         late = await collect(decode, request(single, "r1", prompts[1], LONG))
         return await first, late, await drain
