@@ -10,15 +10,16 @@
 // The integer sums are the same on every path (no step saturates: see each format's note), and the float
 // work after them is the same in the same order, so every path gives bit-identical outputs.
 
-// y[r, the group's 8 rows] for R rows of quantized x starting at m0 (layout: quant_linear_x8_cpu.cpp).
+// y[r, the group's 8 rows] for R rows of quantized x starting at m0 (layout: quant_linear_x8_cpu.cpp); the
+// group's blocks lie `stride` bytes apart (X8Layout: its pair's other group between them, or none).
 template <int R>
 inline void q4_1x8_dot_rows(const tandem_quant::QuantizedX& x, int64_t m0, int64_t nb, const uint8_t* group,
-                            float* y, int64_t ldy) {
+                            int64_t stride, float* y, int64_t ldy) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = group + b * 160;
+    const uint8_t* blk = group + b * stride;
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
     __m256i q[8];
@@ -64,11 +65,11 @@ inline void q4_1x8_dot_rows(const tandem_quant::QuantizedX& x, int64_t m0, int64
 // at most 2 * 128 * 127 = 32512 (v = -128 reads as 128 unsigned): no saturation either way.
 template <int R>
 inline void q8_0x8_dot_rows(const tandem_quant::QuantizedX& x, int64_t m0, int64_t nb, const uint8_t* group,
-                            float* y, int64_t ldy) {
+                            int64_t stride, float* y, int64_t ldy) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = group + b * 272;
+    const uint8_t* blk = group + b * stride;
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     const __m256i* v = reinterpret_cast<const __m256i*>(blk + 16);
     __m256i magnitude[8];
@@ -104,15 +105,16 @@ inline void q8_0x8_dot_rows(const tandem_quant::QuantizedX& x, int64_t m0, int64
 template <bool kQ4_1>
 inline void x8_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t nb, const uint8_t* w, int64_t g0,
                       int64_t g1, float* y, int64_t N) {
-  const int64_t group_bytes = nb * (kQ4_1 ? 160 : 272);
+  const X8Layout layout{nb, N / 8, kQ4_1 ? 160 : 272};
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* group = w + g * group_bytes;
+    const uint8_t* group = w + layout.offset(g, 0);
+    const int64_t stride = layout.stride(g);
     float* yg = y + g * 8;
     int64_t m = 0;
     auto rows = [&](auto tile) {
       constexpr int T = decltype(tile)::value;
-      if constexpr (kQ4_1) q4_1x8_dot_rows<T>(x, m, nb, group, yg + m * N, N);
-      else q8_0x8_dot_rows<T>(x, m, nb, group, yg + m * N, N);
+      if constexpr (kQ4_1) q4_1x8_dot_rows<T>(x, m, nb, group, stride, yg + m * N, N);
+      else q8_0x8_dot_rows<T>(x, m, nb, group, stride, yg + m * N, N);
       m += T;
     };
     while (m + kRowTile <= M) rows(std::integral_constant<int, kRowTile>{});

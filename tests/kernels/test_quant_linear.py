@@ -103,6 +103,16 @@ def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
         for m, y in by_rows.items():
             assert torch.equal(y, outputs["avx2"][m]), (isa, m)
             assert torch.equal(y, outputs["avx2"][45][:m]), (isa, m)  # a row's output is its own
+    # Nor on where the threads cut the groups: 1 thread takes all 9; 2 and 3 threads cut at groups 5 and
+    # 3 and 6, inside pairs (groups are stored two by two, so a cut there leaves a group without its partner).
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for m in (1, 8, 45):
+                assert torch.equal(quant_linear.linear(x[:m], w), outputs["avx2"][m]), (n, m)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_unknown_instruction_set_is_refused() -> None:
