@@ -51,6 +51,27 @@ std::vector<tandem_cpu::PrefetchTarget> prefetch_plan(at::TensorList weights, at
   return plan;
 }
 
+// Each layer's KV job for the team's workers (thread_team.h): the step's sequences' blocks, the same ids in every
+// layer's cache. `blocks` is filled here and must outlive the jobs.
+std::vector<tandem_cpu::KvPrefetch> kv_jobs(const at::Tensor& kv_cache, const at::Tensor& tables, const at::Tensor& lens,
+                                            std::vector<tandem_cpu::KvBlock>& blocks) {
+  const int64_t layers = kv_cache.size(0), block_size = kv_cache.size(3);
+  const int64_t row_bytes = kv_cache.size(4) * kv_cache.size(5) * kv_cache.element_size();  // a token's heads
+  const int64_t block_bytes = block_size * row_bytes, cache_bytes = kv_cache.size(2) * block_bytes;
+  const int32_t* table = tables.data_ptr<int32_t>();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < tables.size(0); ++b)
+    for (int64_t j = 0; j * block_size < len[b] && j < tables.size(1); ++j)  // attention checks the lengths later
+      blocks.push_back({table[b * tables.size(1) + j],
+                        static_cast<int32_t>(std::min<int64_t>(block_size, len[b] - j * block_size) * row_bytes)});
+  std::vector<tandem_cpu::KvPrefetch> jobs;
+  const char* base = static_cast<const char*>(kv_cache.data_ptr());
+  for (int64_t i = 0; i < layers; ++i)  // layer i's K cache, then its V cache
+    jobs.push_back({base + 2 * i * cache_bytes, base + (2 * i + 1) * cache_bytes, block_bytes, blocks.data(),
+                    static_cast<int64_t>(blocks.size())});
+  return jobs;
+}
+
 // A stack's weights, checked and packed once: what every step of the model passes to decode_layers_.
 struct DecoderWeights : torch::CustomClassHolder {
   std::vector<at::Tensor> weights;
@@ -103,6 +124,8 @@ void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& pac
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
 
   const std::vector<tandem_cpu::PrefetchTarget> plan = prefetch_plan(weights, formats, B);
+  std::vector<tandem_cpu::KvBlock> kv_blocks;
+  const std::vector<tandem_cpu::KvPrefetch> kv_plan = kv_jobs(kv_cache, tables, lens, kv_blocks);
   // Every layer's activations have one shape: one buffer each for the whole step, not a tensor an op a layer.
   const auto buffer = [&](int64_t cols) { return at::empty({B, cols}, h.options()); };
   at::Tensor x = buffer(h.size(1)), qkv = buffer(q_size + 2 * kv_size), o = buffer(q_size);
@@ -115,6 +138,7 @@ void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& pac
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, D});
   const auto run_layers = [&] {
     tandem_cpu::prefetch_plan(plan.data(), static_cast<int64_t>(plan.size()));
+    tandem_cpu::prefetch_kv(&kv_plan[0]);
     // Layer i's matrix j is plan entry 4i + j: the workers prefetch the one after the entry the leader is on.
     const auto multiply = [&](int64_t i, int64_t j, const at::Tensor& in, at::Tensor& out) {
       tandem_cpu::prefetch_reached(i * kFormatsPerLayer + j);
@@ -137,6 +161,9 @@ void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& pac
       at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
       tandem_cpu::store_kv(k, v, k_cache, v_cache, slots);
       tandem_cpu::paged_decode_attention_out(q_heads, k_cache, v_cache, tables, lens, scale, o_heads);
+      // The next layer's KV blocks: the workers pull them in while this layer's MLP runs (batch 8's attention
+      // 34-36 -> 26-27 us a layer; after the leader's attention, so as not to compete with it).
+      if (i + 1 < layers) tandem_cpu::prefetch_kv(&kv_plan[i + 1]);
       multiply(i, 1, o, o_proj);
       tandem_cpu::add_rms_norm_out_(h, o_proj, w[4], eps, x);
       multiply(i, 2, x, gate_up);

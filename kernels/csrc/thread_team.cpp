@@ -46,6 +46,7 @@ struct Team {
   alignas(64) std::atomic<const PrefetchTarget*> plan{nullptr};
   int64_t plan_count = 0;
   std::atomic<int64_t> reached{-1};
+  std::atomic<const KvPrefetch*> kv_job{nullptr};  // prefetch_kv's
   std::mutex error_mutex;
   std::exception_ptr error;
 
@@ -85,6 +86,7 @@ struct Team {
   struct Lookahead {
     int64_t index = -1;
     const char *next = nullptr, *stop = nullptr;
+    KvCursor kv;
 
     void move_to(const PrefetchTarget* targets, int64_t count, int64_t i, int64_t tid, int64_t threads) {
       index = i;
@@ -97,8 +99,8 @@ struct Team {
   };
 
   // One turn of a waiting worker: 8 lines of its share of the target after the leader's (a task never waits on
-  // more than that), or a pause. Only the next target: looking two ahead was slower at batch 1 and 8 (the workers'
-  // extra reads compete with the leader's, which are the step's critical path).
+  // more than that), else 8 of its KV job's, or a pause. Only the next target: looking two ahead was slower at
+  // batch 1 and 8 (the workers' extra reads compete with the leader's, which are the step's critical path).
   void prefetch_turn(int64_t tid, Lookahead& at) {
     const PrefetchTarget* targets = plan.load(std::memory_order_acquire);
     if (targets != nullptr) {
@@ -109,6 +111,10 @@ struct Team {
         return;
       }
     }
+    const KvPrefetch* job = kv_job.load(std::memory_order_acquire);
+    if (job != at.kv.job) at.kv = KvCursor{job, tid - 1, 0};
+    const auto line = [job](bool v, int64_t offset) { _mm_prefetch((v ? job->v_base : job->k_base) + offset, _MM_HINT_T0); };
+    if (next_kv_lines(at.kv, size - 1, 8, line)) return;
     _mm_pause();
   }
 
@@ -169,6 +175,10 @@ void prefetch_plan(const PrefetchTarget* targets, int64_t count) {
 
 void prefetch_reached(int64_t index) {
   if (Team* team = t_team) team->reached.store(index, std::memory_order_relaxed);
+}
+
+void prefetch_kv(const KvPrefetch* job) {
+  if (Team* team = t_team; team != nullptr && g_prefetch) team->kv_job.store(job, std::memory_order_release);
 }
 
 int64_t num_threads() { return t_team != nullptr ? t_team->size : at::get_num_threads(); }
@@ -266,6 +276,25 @@ std::vector<int64_t> team_split(int64_t n, int64_t grain, int64_t threads, doubl
   return bounds_of(threads, [&](int64_t tid) { return split.of(tid, n); });
 }
 
+// For the tests: the lines each worker of a `threads` team pulls in for a KV job of these blocks, as (worker, 0 for
+// K or 1 for V, byte offset from that cache's base) triples in the order it issues them.
+std::vector<int64_t> team_kv_lines(std::vector<int64_t> ids, std::vector<int64_t> bytes, int64_t block_bytes,
+                                   int64_t threads) {
+  TORCH_CHECK(ids.size() == bytes.size(), "one byte count a block");
+  std::vector<tandem_cpu::KvBlock> blocks;
+  for (size_t i = 0; i < ids.size(); ++i)
+    blocks.push_back({static_cast<int32_t>(ids[i]), static_cast<int32_t>(bytes[i])});
+  const tandem_cpu::KvPrefetch job{nullptr, nullptr, block_bytes, blocks.data(), static_cast<int64_t>(blocks.size())};
+  std::vector<int64_t> lines;
+  for (int64_t tid = 1; tid < threads; ++tid) {
+    tandem_cpu::KvCursor at{&job, tid - 1, 0};
+    const auto line = [&](bool v, int64_t offset) { lines.insert(lines.end(), {tid, v ? 1 : 0, offset}); };
+    while (tandem_cpu::next_kv_lines(at, threads - 1, 8, line)) {
+    }
+  }
+  return lines;
+}
+
 double team_weight(int64_t key) { return tandem_cpu::g_weights.of(key).load(std::memory_order_relaxed); }
 void reset_team_weights() { tandem_cpu::g_weights.reset(); }
 
@@ -279,6 +308,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
         &team_chunks);
   m.def("team_prefetch_shares(int n, int grain, int threads, int key) -> int[]", &team_prefetch_shares);
   m.def("team_split(int n, int grain, int threads, float weight) -> int[]", &team_split);
+  m.def("team_kv_lines(int[] ids, int[] bytes, int block_bytes, int threads) -> int[]", &team_kv_lines);
   m.def("team_weight(int key) -> float", &team_weight);
   m.def("reset_team_weights() -> ()", &reset_team_weights);
 }

@@ -46,6 +46,47 @@ void prefetch_plan(const PrefetchTarget* targets, int64_t count);
 // The leader starts on targets[index]: the workers look beyond it.
 void prefetch_reached(int64_t index);
 
+// A coming layer's KV blocks, for the workers to pull into cache once they have prefetched their share of the
+// plan's next target: a sequence's blocks lie anywhere in the cache, so no hardware prefetcher finds them before
+// attention asks, and a batch-8 step's attention waited on them (~1/3 of its time). Block blocks[i].id's first
+// blocks[i].bytes, at k_base and at v_base + id * block_bytes.
+struct KvBlock {
+  int32_t id, bytes;
+};
+struct KvPrefetch {
+  const char *k_base, *v_base;
+  int64_t block_bytes;
+  const KvBlock* blocks;
+  int64_t count;
+};
+// The leader posts one job at a time, each replacing the last (it must outlive the team's body); worker t takes
+// blocks t - 1, t - 1 + (size - 1), ... No-op outside a team or while set_team_prefetch(false).
+void prefetch_kv(const KvPrefetch* job);
+
+// A worker's place in a KV job.
+struct KvCursor {
+  const KvPrefetch* job = nullptr;
+  int64_t block = 0, offset = 0;  // offset: bytes into the block's K lines, then its V lines
+};
+// Up to `lines` more of the job's lines for the worker whose cursor this is (its blocks `stride` apart), each
+// passed to line(v, offset): V's cache (else K's) and the line's byte offset from that cache's base. False when it
+// has none left.
+template <typename F>
+bool next_kv_lines(KvCursor& at, int64_t stride, int lines, const F& line) {
+  if (at.job == nullptr || at.block >= at.job->count) return false;
+  const KvBlock blk = at.job->blocks[at.block];
+  const int64_t span = (static_cast<int64_t>(blk.bytes) + 63) / 64 * 64;  // K's lines, then V's
+  for (int i = 0; i < lines; ++i, at.offset += 64) {
+    if (at.offset >= 2 * span) {
+      at.block += stride, at.offset = 0;
+      break;
+    }
+    const bool k = at.offset < span;
+    line(!k, blk.id * at.job->block_bytes + at.offset - (k ? 0 : span));
+  }
+  return true;
+}
+
 namespace detail {
 // The team this thread leads, if any: runs f over [begin, end) split into the team's chunks. A function_ref, not
 // a std::function: every kernel's parallel_for passes through here, in a team or not, and it allocates nothing.

@@ -125,3 +125,18 @@ def test_an_error_in_a_prefetched_loop_reaches_the_caller(threads: int) -> None:
         torch.ops.tandem_cpu.reset_team_weights()  # the same split each time
         with pytest.raises(RuntimeError, match=f"chunk at {begin} threw"):
             torch.ops.tandem_cpu.team_chunks(120, 4, begin, 3)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_the_workers_pull_in_every_line_of_a_kv_job_once(threads: int) -> None:
+    """A KV job (thread_team.h): each listed block's used bytes, K's lines and V's, rounded up to whole lines, each
+    pulled in by exactly one worker (worker t: blocks t - 1, t - 1 + (threads - 1), ...), none beyond."""
+    block_bytes = 16 * 204  # 16 tokens of 3 int8 heads of 64 and their scales
+    ids, used = [7, 2, 30, 5, 11], [block_bytes, block_bytes, 204, 5 * 204, block_bytes]
+    got = torch.ops.tandem_cpu.team_kv_lines(ids, used, block_bytes, threads)
+    lines = [tuple(got[i:i + 3]) for i in range(0, len(got), 3)]
+    want = sorted((1 + n % (threads - 1), v, block * block_bytes + o)
+                  for n, (block, size) in enumerate(zip(ids, used, strict=True))
+                  for v in (0, 1) for o in range(0, size, 64))
+    assert sorted(lines) == want
+    assert len(set(lines)) == len(lines)
