@@ -97,6 +97,13 @@ def instruction_sets() -> list[str]:
     return have
 
 
+def pairs_groups() -> bool:
+    """Whether ``quant_linear.interleave`` stores 8-row groups two by two ("x8p"): where the instruction set in
+    use is "avx512_vnni" and its 512-bit loop runs from one row of x (``min_rows_for_pairs``: not on Zen 4)."""
+    return (available() and torch.ops.tandem_cpu.isa() == "avx512_vnni"
+            and torch.ops.tandem_cpu.min_rows_for_pairs() == 1)
+
+
 @contextlib.contextmanager
 def instruction_set(name: str) -> Iterator[str]:
     """The kernels run on ``name`` inside the block (A/B benches, tests), on what they ran before after it."""

@@ -21,7 +21,8 @@ from torch import Tensor
 from kernels import cpu_kernel
 from kernels.quant_linear import QuantizedWeight
 
-FORMAT_CODES = {"q4_1": 0, "q8_0": 1, "q4_1x8": 2, "q8_0x8": 3}  # as decoder_cpu.cpp reads them
+# As decoder_cpu.cpp reads them.
+FORMAT_CODES = {"q4_1": 0, "q8_0": 1, "q4_1x8": 2, "q8_0x8": 3, "q4_1x8p": 4, "q8_0x8p": 5}
 
 
 class LayerTensors(Protocol):

@@ -12,7 +12,7 @@
 // Per layer, 7 tensors in `weights`:
 //   attn_norm [H], qkv [N_qkv, bytes], qkv_bias [N_qkv] or empty, o_proj, mlp_norm [H], gate_up, down
 // and 4 codes in `formats` (qkv, o_proj, gate_up, down): 0 = Q4_1, 1 = Q8_0, 2 = Q4_1 interleaved by 8 rows,
-// 3 = Q8_0 interleaved by 8 rows.
+// 3 = Q8_0 interleaved by 8 rows, 4 and 5: the same with the groups stored two by two (x8p).
 //
 //   h [B, hidden] fp32, updated in place to the residual stream after the last layer (final norm not applied)
 //   kv_cache [layers, 2, num_blocks, block_size, KVH, D] (int8: D + 4); cos/sin [B, D]; slot_mapping [B];
@@ -83,8 +83,8 @@ struct DecoderWeights : torch::CustomClassHolder {
                 "weights must hold 7 tensors a layer, got ", weights.size());
     TORCH_CHECK(static_cast<int64_t>(formats.size()) == layers * kFormatsPerLayer, "formats must hold 4 codes a layer");
     for (const int64_t code : formats)
-      TORCH_CHECK(code >= 0 && code <= 3, "format code ", code, " is none of Q4_1 (0), Q8_0 (1), Q4_1 by 8 rows (2), "
-                  "Q8_0 by 8 rows (3)");
+      TORCH_CHECK(code >= 0 && code <= 5, "format code ", code, " is none of Q4_1 (0), Q8_0 (1), Q4_1 by 8 rows (2), "
+                  "Q8_0 by 8 rows (3), Q4_1 by 8 rows in pairs (4), Q8_0 by 8 rows in pairs (5)");
   }
 
   int64_t layers() const { return static_cast<int64_t>(weights.size()) / kPerLayer; }
@@ -96,11 +96,13 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t format, at::Tensor
     case 0: tandem_cpu::q4_1_linear_out(x, w, y); break;
     case 1: tandem_cpu::q8_0_linear_out(x, w, y); break;
     case 2: tandem_cpu::q4_1x8_linear_out(x, w, y); break;
-    default: tandem_cpu::q8_0x8_linear_out(x, w, y); break;
+    case 3: tandem_cpu::q8_0x8_linear_out(x, w, y); break;
+    case 4: tandem_cpu::q4_1x8p_linear_out(x, w, y); break;
+    default: tandem_cpu::q8_0x8p_linear_out(x, w, y); break;
   }
 }
 
-// The rows a matrix gives: x8 formats hold 8 rows a group.
+// The rows a matrix gives: x8 and x8p formats hold 8 rows a group.
 int64_t out_rows(const at::Tensor& w, int64_t format) { return w.size(0) * (format >= 2 ? 8 : 1); }
 
 void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& packed,

@@ -11,10 +11,13 @@
 //   q8_0x8, 272 bytes a (group, block):  | d[8] fp16 | v0 | ... | v7 |
 //     vk: 32 bytes, 4 a row; byte i of row n = q[n][4k + i] (int8)
 //
-// Groups are stored two by two, block by block (X8Layout): (group 2p, block b) then (group 2p + 1, block b), so
-// the 512-bit loop that multiplies a pair at once reads one stream of 320 (544) bytes a block. Read as two
-// streams (each group's blocks in a run of their own) it reached ~85% of a plain sum's bandwidth on two
-// cores from DRAM; one stream reaches the sum's rate. An odd last group is stored alone after the pairs.
+// "x8p" (q4_1x8p, q8_0x8p), the layout where the 512-bit loop multiplies from one row of x: the same groups
+// stored two by two, block by block (X8Layout): (group 2p, block b) then (group 2p + 1, block b), so the loop
+// that multiplies a pair at once reads one stream of 320 (544) bytes a block. Read as two streams (each group's
+// blocks in a run of their own, "x8") it reached ~85% of a plain sum's bandwidth on two Zen 5 cores from DRAM;
+// one stream reaches the sum's rate. An odd last group is stored alone after the pairs. The 256-bit loops
+// (AVX2, AVX-VNNI) read x8p too, but ~10% slower than x8 from memory: kernels/quant_linear.py picks x8p only
+// where the 512-bit loop runs at every batch.
 //
 // Q4_1: the low nibbles of vk times x[8k .. 8k+3] (broadcast to every row) and the high nibbles times
 // x[8k+4 .. 8k+7] give each row's sum over 8 values. A row's 8 maddubs results add up in int16 without
@@ -24,11 +27,12 @@
 // Where the CPU has VNNI, one dpbusd does what maddubs, the add and the madd do (quant_x8_dot.h holds the
 // inner loops, compiled once per instruction set; the best the CPU has is picked at load).
 //
-//   q4_1_to_x8 / q8_0_to_x8: w [N, K / 32 * 20 or 34] -> [N / 8, K / 32 * 160 or 272] uint8 (a row of it: a
-//     group's worth of bytes, not the group: X8Layout says where each group's blocks lie)
+//   q4_1_to_x8 / q8_0_to_x8: w [N, K / 32 * 20 or 34] -> [N / 8, K / 32 * 160 or 272] uint8 (x8p: q4_1_to_x8p,
+//     ... and a row of it is a group's worth of bytes, not the group: X8Layout says where each group's blocks lie)
 //   q4_1x8_linear / q8_0x8_linear: x [M, K] fp32 -> y [M, N] fp32
 //   q4_1x8_dequantize / q8_0x8_dequantize: -> [N, K] fp32, bit-exact with the gguf package
 //   q4_1x8_rows / q8_0x8_rows: w, ids [T] int64 -> [T, K] fp32, those rows of the same
+//   (and each of these for x8p: q4_1x8p_linear, ...)
 // The instruction set is cpu_isa.cpp's (torch.ops.tandem_cpu.set_isa): every one gives bit-identical outputs.
 
 #include <ATen/Parallel.h>
@@ -54,15 +58,18 @@ using namespace tandem_quant;
 constexpr int64_t kX8Rows = 8;
 constexpr int64_t kGroupGrain = 4;  // groups of 8 rows: the least a thread takes of a matrix
 
-// Where (group g, block b) lies in a matrix of `groups` groups of `nb` blocks: groups 2p and 2p + 1 alternate
-// block by block in pair p's 2 * nb blocks; a last group without a partner has its nb blocks to itself. Any
-// range of whole pairs is still one run of bytes (g * nb * block_bytes on), as the team's prefetch takes it.
+// Where (group g, block b) lies in a matrix of `groups` groups of `nb` blocks. x8: group after group. x8p
+// (`pairs`): groups 2p and 2p + 1 alternate block by block in pair p's 2 * nb blocks; a last group without a
+// partner has its nb blocks to itself. Either way a range of whole pairs is one run of bytes (g * nb *
+// block_bytes on), as the team's prefetch takes it.
 struct X8Layout {
   int64_t nb, groups, block_bytes;
+  bool pairs;
 
-  bool paired(int64_t g) const { return (g | 1) < groups; }
+  bool paired(int64_t g) const { return pairs && (g | 1) < groups; }
   int64_t stride(int64_t g) const { return paired(g) ? 2 * block_bytes : block_bytes; }  // block b to b + 1
   int64_t offset(int64_t g, int64_t b) const {
+    if (!paired(g)) return g * nb * block_bytes + b * block_bytes;
     return (g & ~int64_t{1}) * nb * block_bytes + (g & 1) * block_bytes + b * stride(g);
   }
 };
@@ -142,7 +149,7 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_
 }  // namespace avx512_vnni
 #pragma GCC pop_options
 
-template <typename F>
+template <typename F, bool kPairs>
 at::Tensor to_x8(const at::Tensor& w, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N, bytes] contiguous uint8");
   TORCH_CHECK(K % kBlock == 0 && w.size(1) == K / kBlock * F::kSourceBytes, "w's row bytes do not match K=", K);
@@ -151,7 +158,7 @@ at::Tensor to_x8(const at::Tensor& w, int64_t K) {
   at::Tensor out = at::empty({groups, nb * F::kBytes}, w.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
-  const X8Layout layout{nb, groups, F::kBytes};
+  const X8Layout layout{nb, groups, F::kBytes, kPairs};
   at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t b = 0; b < nb; ++b)
@@ -161,7 +168,7 @@ at::Tensor to_x8(const at::Tensor& w, int64_t K) {
   return out;
 }
 
-template <typename F>
+template <typename F, bool kPairs>
 void x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] contiguous fp32");
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32, got ", x.size(1));
@@ -183,17 +190,17 @@ void x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   // decode step's thread team the workers have prefetched theirs (x8_prefetch_target): a smaller share for the
   // leader. A row's output does not depend on the cut (an odd group on the 256-bit loop gives the same bits).
   tandem_cpu::prefetched_parallel_for(0, groups, kGroupGrain,
-                           [&](int64_t begin, int64_t end) { groups_fn(qx, M, nb, wp, begin, end, yp, N); });
+                           [&](int64_t begin, int64_t end) { groups_fn(qx, M, nb, wp, begin, end, yp, N, kPairs); });
 }
 
-template <typename F>
+template <typename F, bool kPairs>
 at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
   at::Tensor y = at::empty({x.size(0), w.size(0) * kX8Rows}, x.options());
-  x8_linear_out<F>(x, w, y);
+  x8_linear_out<F, kPairs>(x, w, y);
   return y;
 }
 
-template <typename F>
+template <typename F, bool kPairs>
 at::Tensor x8_dequantize(const at::Tensor& w, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N / 8, bytes] uint8");
   TORCH_CHECK(K % kBlock == 0 && w.size(1) == K / kBlock * F::kBytes, "w's group bytes do not match K=", K);
@@ -201,7 +208,7 @@ at::Tensor x8_dequantize(const at::Tensor& w, int64_t K) {
   at::Tensor out = at::empty({groups * kX8Rows, K}, w.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const X8Layout layout{nb, groups, F::kBytes};
+  const X8Layout layout{nb, groups, F::kBytes, kPairs};
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t b = 0; b < nb; ++b)
@@ -213,7 +220,7 @@ at::Tensor x8_dequantize(const at::Tensor& w, int64_t K) {
 
 // Rows `ids` of an interleaved weight, dequantized: an embedding lookup (the tied head's table). One call, where
 // dequantizing the ids' groups and picking their rows out took ~10 torch ops (~60 us of a 3 ms step).
-template <typename F>
+template <typename F, bool kPairs>
 at::Tensor x8_rows(const at::Tensor& w, const at::Tensor& ids, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N / 8, bytes] uint8");
   TORCH_CHECK(K % kBlock == 0 && w.size(1) == K / kBlock * F::kBytes, "w's group bytes do not match K=", K);
@@ -225,7 +232,7 @@ at::Tensor x8_rows(const at::Tensor& w, const at::Tensor& ids, int64_t K) {
   at::Tensor out = at::empty({T, K}, w.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const X8Layout layout{nb, w.size(0), F::kBytes};
+  const X8Layout layout{nb, w.size(0), F::kBytes, kPairs};
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = idp[t] / kX8Rows, n = idp[t] % kX8Rows;
@@ -239,10 +246,10 @@ at::Tensor x8_rows(const at::Tensor& w, const at::Tensor& ids, int64_t K) {
 
 namespace tandem_cpu {
 
-at::Tensor q4_1x8_linear(const at::Tensor& x, const at::Tensor& w) { return x8_linear<Q4_1x8>(x, w); }
-at::Tensor q8_0x8_linear(const at::Tensor& x, const at::Tensor& w) { return x8_linear<Q8_0x8>(x, w); }
-void q4_1x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q4_1x8>(x, w, y); }
-void q8_0x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q8_0x8>(x, w, y); }
+void q4_1x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q4_1x8, false>(x, w, y); }
+void q8_0x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q8_0x8, false>(x, w, y); }
+void q4_1x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q4_1x8, true>(x, w, y); }
+void q8_0x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q8_0x8, true>(x, w, y); }
 
 PrefetchTarget x8_prefetch_target(const at::Tensor& w) {
   return {w.data_ptr<uint8_t>(), w.size(1), w.size(0), kGroupGrain};
@@ -259,15 +266,31 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("q8_0x8_linear(Tensor x, Tensor w) -> Tensor");
   m.def("q8_0x8_dequantize(Tensor w, int k) -> Tensor");
   m.def("q8_0x8_rows(Tensor w, Tensor ids, int k) -> Tensor");
+  m.def("q4_1_to_x8p(Tensor w, int k) -> Tensor");
+  m.def("q4_1x8p_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("q4_1x8p_dequantize(Tensor w, int k) -> Tensor");
+  m.def("q4_1x8p_rows(Tensor w, Tensor ids, int k) -> Tensor");
+  m.def("q8_0_to_x8p(Tensor w, int k) -> Tensor");
+  m.def("q8_0x8p_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("q8_0x8p_dequantize(Tensor w, int k) -> Tensor");
+  m.def("q8_0x8p_rows(Tensor w, Tensor ids, int k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
-  m.impl("q4_1_to_x8", &to_x8<Q4_1x8>);
-  m.impl("q4_1x8_linear", &tandem_cpu::q4_1x8_linear);
-  m.impl("q4_1x8_dequantize", &x8_dequantize<Q4_1x8>);
-  m.impl("q4_1x8_rows", &x8_rows<Q4_1x8>);
-  m.impl("q8_0_to_x8", &to_x8<Q8_0x8>);
-  m.impl("q8_0x8_linear", &tandem_cpu::q8_0x8_linear);
-  m.impl("q8_0x8_dequantize", &x8_dequantize<Q8_0x8>);
-  m.impl("q8_0x8_rows", &x8_rows<Q8_0x8>);
+  m.impl("q4_1_to_x8", &to_x8<Q4_1x8, false>);
+  m.impl("q4_1x8_linear", &x8_linear<Q4_1x8, false>);
+  m.impl("q4_1x8_dequantize", &x8_dequantize<Q4_1x8, false>);
+  m.impl("q4_1x8_rows", &x8_rows<Q4_1x8, false>);
+  m.impl("q8_0_to_x8", &to_x8<Q8_0x8, false>);
+  m.impl("q8_0x8_linear", &x8_linear<Q8_0x8, false>);
+  m.impl("q8_0x8_dequantize", &x8_dequantize<Q8_0x8, false>);
+  m.impl("q8_0x8_rows", &x8_rows<Q8_0x8, false>);
+  m.impl("q4_1_to_x8p", &to_x8<Q4_1x8, true>);
+  m.impl("q4_1x8p_linear", &x8_linear<Q4_1x8, true>);
+  m.impl("q4_1x8p_dequantize", &x8_dequantize<Q4_1x8, true>);
+  m.impl("q4_1x8p_rows", &x8_rows<Q4_1x8, true>);
+  m.impl("q8_0_to_x8p", &to_x8<Q8_0x8, true>);
+  m.impl("q8_0x8p_linear", &x8_linear<Q8_0x8, true>);
+  m.impl("q8_0x8p_dequantize", &x8_dequantize<Q8_0x8, true>);
+  m.impl("q8_0x8p_rows", &x8_rows<Q8_0x8, true>);
 }

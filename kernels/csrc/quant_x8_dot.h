@@ -101,11 +101,11 @@ inline void q8_0x8_dot_rows(const tandem_quant::QuantizedX& x, int64_t m0, int64
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Groups [g0, g1) of 8 weight rows against all M rows of x; y [M, N].
+// Groups [g0, g1) of 8 weight rows against all M rows of x; y [M, N]. `pairs`: the x8p layout (X8Layout).
 template <bool kQ4_1>
 inline void x8_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t nb, const uint8_t* w, int64_t g0,
-                      int64_t g1, float* y, int64_t N) {
-  const X8Layout layout{nb, N / 8, kQ4_1 ? 160 : 272};
+                      int64_t g1, float* y, int64_t N, bool pairs) {
+  const X8Layout layout{nb, N / 8, kQ4_1 ? 160 : 272, pairs};
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = w + layout.offset(g, 0);
     const int64_t stride = layout.stride(g);

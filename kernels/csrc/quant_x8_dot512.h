@@ -5,8 +5,8 @@
 // bound by instructions, a step's matrices take ~half the time. The same integer sums and the same float
 // work per row as the 256-bit loops: bit-identical outputs. Included after quant_x8_dot.h, in the same
 // namespace (x8_pair_groups leaves a group without its partner to x8_groups), under `#pragma GCC target`
-// with avx512f/bw/vl/vnni. A pair's (group, block)s alternate in memory (X8Layout): group g's block, then
-// group g + 1's, one block (160 bytes, Q8_0 272) later.
+// with avx512f/bw/vl/vnni. A block of group g + 1 lies `partner` bytes after group g's: a group's length in x8,
+// one block (160 bytes, Q8_0 272) in x8p, where the pair's blocks alternate (X8Layout).
 
 inline __m512i load_pair(const uint8_t* g0, int64_t partner) {  // 32 bytes of group g and of g + 1
   const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g0));
@@ -31,37 +31,40 @@ struct PairBlock {
 // Always inlined, as are the two below: out of line, the unpacked block went through the stack and decode's
 // matrices ran ~10% slower.
 template <bool kQ4_1>
-__attribute__((always_inline)) inline void unpack_pair_block(const uint8_t* blk, PairBlock& w) {
-  constexpr int64_t kPartner = kQ4_1 ? 160 : 272;  // group g + 1's block follows group g's
-  w.d = load_pair_halves(blk, kPartner);
+__attribute__((always_inline)) inline void unpack_pair_block(const uint8_t* blk, int64_t partner, PairBlock& w) {
+  w.d = load_pair_halves(blk, partner);
   w.m = _mm512_setzero_ps();
   w.offset = _mm512_setzero_si512();
   if constexpr (kQ4_1) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    w.m = load_pair_halves(blk + 16, kPartner);
+    w.m = load_pair_halves(blk + 16, partner);
     for (int k = 0; k < 4; ++k) {
-      const __m512i packed = load_pair(blk + 32 + 32 * k, kPartner);
+      const __m512i packed = load_pair(blk + 32 + 32 * k, partner);
       w.q[2 * k] = _mm512_and_si512(packed, low);
       w.q[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
     }
   } else {
     const __m512i ones = _mm512_set1_epi8(1);
     for (int k = 0; k < 8; ++k) {
-      w.q[k] = load_pair(blk + 16 + 32 * k, kPartner);
+      w.q[k] = load_pair(blk + 16 + 32 * k, partner);
       w.offset = _mm512_dpbusd_epi32(w.offset, ones, w.q[k]);
     }
     w.offset = _mm512_slli_epi32(w.offset, 7);
   }
 }
 
-// A pair is a few KB, too short a stream for the hardware prefetcher to catch before it ends: each block
-// fetches its counterpart in the next pair (measured: 2 threads from DRAM ~46 -> ~50 GB/s, 1 thread ~35 -> ~40).
+// A pair is a few KB, too short a stream (x8: two streams) for the hardware prefetcher to catch before it ends:
+// each block fetches its counterpart in the next pair (x8p, measured: 2 threads from DRAM ~46 -> ~50 GB/s, 1
+// thread ~35 -> ~40).
 template <bool kQ4_1>
-__attribute__((always_inline)) inline void prefetch_pair_block(const uint8_t* next, int64_t b) {
-  constexpr int64_t kPairBytes = 2 * (kQ4_1 ? 160 : 272);
-  const char* blk = reinterpret_cast<const char*>(next + b * kPairBytes);
-  for (int64_t o = 0; o < kPairBytes; o += 64) _mm_prefetch(blk + o, _MM_HINT_T0);
-  _mm_prefetch(blk + kPairBytes - 1, _MM_HINT_T0);  // a Q8_0 pair's block ends mid-line
+__attribute__((always_inline)) inline void prefetch_pair_block(const uint8_t* next, int64_t b, int64_t partner,
+                                                               int64_t block_stride) {
+  constexpr int64_t kBytes = kQ4_1 ? 160 : 272;
+  const char* blk = reinterpret_cast<const char*>(next + b * block_stride);
+  for (const char* at : {blk, blk + partner}) {  // x8p: the two halves of one run
+    for (int64_t o = 0; o < kBytes; o += 64) _mm_prefetch(at + o, _MM_HINT_T0);
+    _mm_prefetch(at + kBytes - 1, _MM_HINT_T0);  // a block ends mid-line
+  }
 }
 
 // acc[r] += block b's share of y[m0 + r, the pair's 16 rows]. Q4_1: the weights' 4-bit values are the
@@ -101,14 +104,14 @@ __attribute__((always_inline)) inline void pair_block_rows(const PairBlock& w, c
 // goes (one tile of rows: decode). `next` (or null): the pair to come, prefetched alongside.
 template <int R, bool kQ4_1>
 inline void pair_dot_rows(const tandem_quant::QuantizedX& x, const uint8_t* xu, int64_t m0, int64_t nb,
-                          const uint8_t* pair, float* y, int64_t ldy, const uint8_t* next) {
-  constexpr int64_t kPairBytes = 2 * (kQ4_1 ? 160 : 272);
+                          const uint8_t* pair, int64_t partner, int64_t block_stride, float* y, int64_t ldy,
+                          const uint8_t* next) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (next != nullptr) prefetch_pair_block<kQ4_1>(next, b);
+    if (next != nullptr) prefetch_pair_block<kQ4_1>(next, b, partner, block_stride);
     PairBlock w;
-    unpack_pair_block<kQ4_1>(pair + b * kPairBytes, w);
+    unpack_pair_block<kQ4_1>(pair + b * block_stride, partner, w);
     pair_block_rows<R, kQ4_1>(w, x, xu, m0, nb, b, acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
@@ -125,14 +128,16 @@ inline void unpacked_pair_dot_rows(const tandem_quant::QuantizedX& x, const uint
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Groups [g0, g1): pairs on 512-bit vectors; a group without its partner in the range (a cut between threads
-// inside a pair, or the matrix's odd last group) on quant_x8_dot.h's 256-bit loop.
+// Groups [g0, g1): pairs on 512-bit vectors; a group without its partner in the range (x8p: a cut between
+// threads inside a pair, or the matrix's odd last group; x8: an odd one left over) on quant_x8_dot.h's 256-bit
+// loop. `pairs`: the x8p layout.
 template <bool kQ4_1>
 inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t nb, const uint8_t* w, int64_t g0,
-                           int64_t g1, float* y, int64_t N) {
+                           int64_t g1, float* y, int64_t N, bool pairs) {
   constexpr int64_t kBytes = kQ4_1 ? 160 : 272;
   const int64_t group_bytes = nb * kBytes;
-  const X8Layout layout{nb, N / 8, kBytes};
+  const X8Layout layout{nb, N / 8, kBytes, pairs};
+  const int64_t partner = pairs ? kBytes : group_bytes, block_stride = pairs ? 2 * kBytes : kBytes;
   std::vector<uint8_t> xu;  // Q8_0: x + 128 as unsigned bytes (the sign bit flipped)
   if constexpr (!kQ4_1) {
     xu.resize(x.q.size());
@@ -147,18 +152,18 @@ inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t
       static_cast<PairBlock*>(bytes ? std::aligned_alloc(64, bytes) : nullptr), &std::free);
   TORCH_CHECK(!unpack_once || blocks, "out of memory for ", bytes, " bytes of unpacked weights");
   int64_t g = g0;
-  if (g % 2 == 1 && g < g1) {  // the range starts at a pair's second group
-    x8_groups<kQ4_1>(x, M, nb, w, g, g + 1, y, N);
+  if (pairs && g % 2 == 1 && g < g1) {  // the range starts at a pair's second group
+    x8_groups<kQ4_1>(x, M, nb, w, g, g + 1, y, N, pairs);
     ++g;
   }
-  for (; g + 2 <= g1 && layout.paired(g); g += 2) {
+  for (; g + 2 <= g1 && (!pairs || layout.paired(g)); g += 2) {
     const uint8_t* pair = w + g * group_bytes;
     const uint8_t* next = g + 4 <= g1 ? pair + 2 * group_bytes : nullptr;
     float* yg = y + g * 8;
     if (unpack_once)
       for (int64_t b = 0; b < nb; ++b) {
-        if (next != nullptr) prefetch_pair_block<kQ4_1>(next, b);
-        unpack_pair_block<kQ4_1>(pair + b * 2 * kBytes, blocks[b]);
+        if (next != nullptr) prefetch_pair_block<kQ4_1>(next, b, partner, block_stride);
+        unpack_pair_block<kQ4_1>(pair + b * block_stride, partner, blocks[b]);
       }
     int64_t m = 0;
     auto rows = [&](auto tile) {
@@ -166,7 +171,7 @@ inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t
       if (unpack_once) {
         unpacked_pair_dot_rows<T, kQ4_1>(x, xu.data(), m, nb, blocks.get(), yg + m * N, N);
       } else {
-        pair_dot_rows<T, kQ4_1>(x, xu.data(), m, nb, pair, yg + m * N, N, next);
+        pair_dot_rows<T, kQ4_1>(x, xu.data(), m, nb, pair, partner, block_stride, yg + m * N, N, next);
         next = nullptr;  // the first tile fetches the next pair; later tiles find this one in cache
       }
       m += T;
@@ -183,5 +188,5 @@ inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t
       default: break;
     }
   }
-  if (g < g1) x8_groups<kQ4_1>(x, M, nb, w, g, g1, y, N);
+  if (g < g1) x8_groups<kQ4_1>(x, M, nb, w, g, g1, y, N, pairs);
 }

@@ -36,12 +36,13 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w);
 // The _out forms write into y [M, N] (contiguous fp32) instead of a new tensor: a decode step reuses its buffers.
 void q4_1_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 void q8_0_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
-// quant_linear_x8_cpu.cpp: the same blocks interleaved by 8 rows, w [N / 8, K / 32 * 160 (Q4_1) or 272 (Q8_0)]
-at::Tensor q4_1x8_linear(const at::Tensor& x, const at::Tensor& w);
-at::Tensor q8_0x8_linear(const at::Tensor& x, const at::Tensor& w);
+// quant_linear_x8_cpu.cpp: the same blocks interleaved by 8 rows, w [N / 8, K / 32 * 160 (Q4_1) or 272 (Q8_0)],
+// group after group (x8) or two by two (x8p)
 void q4_1x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 void q8_0x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
-// w (either x8 format) as the rows q4_1x8_linear / q8_0x8_linear split among a thread team (thread_team.h)
+void q4_1x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
+void q8_0x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
+// w (any x8 format) as the rows q4_1x8_linear / q8_0x8_linear split among a thread team (thread_team.h)
 PrefetchTarget x8_prefetch_target(const at::Tensor& w);
 
 // fused_ops_cpu.cpp

@@ -18,8 +18,10 @@ from kernels import cpu_kernel, fused_ops, quant_linear
 from kernels.quant_linear import QuantizedWeight
 
 FORMATS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0,
-           # the same blocks, interleaved by 8 rows after quantizing
-           "q4_1x8": GGMLQuantizationType.Q4_1, "q8_0x8": GGMLQuantizationType.Q8_0}
+           # the same blocks, interleaved by 8 rows after quantizing; x8p: those groups two by two
+           "q4_1x8": GGMLQuantizationType.Q4_1, "q8_0x8": GGMLQuantizationType.Q8_0,
+           "q4_1x8p": GGMLQuantizationType.Q4_1, "q8_0x8p": GGMLQuantizationType.Q8_0}
+INTERLEAVED = [fmt for fmt in FORMATS if "x8" in fmt]
 ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 17, 96, 300, 513]
 
 
@@ -34,23 +36,23 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWei
     dense = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     blocks = quantize(dense, FORMATS[fmt])
     reference = torch.from_numpy(np.array(dequantize(blocks, FORMATS[fmt]), dtype=np.float32))
-    weight = QuantizedWeight(fmt.removesuffix("x8"), torch.from_numpy(np.array(blocks)), k)
-    if fmt.endswith("x8"):
-        weight = quant_linear.interleave(weight)
+    weight = QuantizedWeight(fmt.split("x")[0], torch.from_numpy(np.array(blocks)), k)
+    if fmt in INTERLEAVED:
+        weight = quant_linear.interleave(weight, pairs=fmt.endswith("p"))
         assert weight.format == fmt and weight.out_features == n
     return weight, reference
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_is_bit_exact(fmt: str) -> None:
-    w, reference = random_weight(fmt, 40 if fmt.endswith("x8") else 37, 96)
+    w, reference = random_weight(fmt, 40 if fmt in INTERLEAVED else 37, 96)  # x8p: 2 pairs and a lone group
     assert torch.equal(w.dequantize(), reference)
     ids = torch.tensor([5, 0, 36, 5, 31, 8])  # interleaved: rows from several groups, at several places in one
     assert torch.equal(w.rows(ids), reference[ids])
     assert w.rows(ids[:0]).shape == (0, 96)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1x8", "q8_0x8"])
+@pytest.mark.parametrize("fmt", INTERLEAVED)
 def test_an_embedding_lookup_outside_the_table_is_refused(fmt: str) -> None:
     w, _ = random_weight(fmt, 40, 96)
     for bad in (40, -1):
@@ -72,7 +74,7 @@ def q8_rounded(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", ROW_COUNTS)
 def test_linear_matches_dequantized_matmul(fmt: str, m: int) -> None:
-    n = 72 if fmt.endswith("x8") else 67  # an odd N where the layout allows it
+    n = 72 if fmt in INTERLEAVED else 67  # an odd N where the layout allows it
     w, reference = random_weight(fmt, n, 160, seed=m)
     gen = torch.Generator().manual_seed(m)  # seeded: an unseeded x took whatever earlier tests left in the RNG
     x = torch.randn(m, 160, generator=gen)
@@ -86,7 +88,7 @@ def test_linear_matches_dequantized_matmul(fmt: str, m: int) -> None:
     assert ((got - exact).norm() / exact.norm()).item() < 0.02  # what 8-bit activations cost
 
 
-@pytest.mark.parametrize("fmt", ["q4_1x8", "q8_0x8"])
+@pytest.mark.parametrize("fmt", INTERLEAVED)
 def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
     """VNNI's dpbusd sums the same integers as AVX2's maddubs chain, and the float work after is the same:
     a row's output must not depend on the machine's instruction set (nor on the row tile, 4 or 8, nor on
@@ -104,7 +106,7 @@ def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
             assert torch.equal(y, outputs["avx2"][m]), (isa, m)
             assert torch.equal(y, outputs["avx2"][45][:m]), (isa, m)  # a row's output is its own
     # Nor on where the threads cut the groups: 1 thread takes all 9; 2 and 3 threads cut at groups 5 and
-    # 3 and 6, inside pairs (groups are stored two by two, so a cut there leaves a group without its partner).
+    # 3 and 6, inside pairs (x8p stores groups two by two, so a cut there leaves a group without its partner).
     threads = torch.get_num_threads()
     try:
         for n in (1, 3):
@@ -113,6 +115,22 @@ def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
                 assert torch.equal(quant_linear.linear(x[:m], w), outputs["avx2"][m]), (n, m)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_groups_stored_two_by_two_give_the_same_bits(fmt: str) -> None:
+    """x8p holds x8's blocks in another order (9 groups: 4 pairs and a lone one): the same products, bit for
+    bit, on every instruction set, and the same rows looked up."""
+    plain, _ = random_weight(f"{fmt}x8", 72, 192, seed=5)
+    pairs, _ = random_weight(f"{fmt}x8p", 72, 192, seed=5)
+    assert plain.data.shape == pairs.data.shape and not torch.equal(plain.data, pairs.data)
+    x = torch.randn(9, 192, generator=torch.Generator().manual_seed(5))
+    for isa in cpu_kernel.instruction_sets():
+        with cpu_kernel.instruction_set(isa):
+            for m in (1, 4, 9):
+                assert torch.equal(quant_linear.linear(x[:m], pairs), quant_linear.linear(x[:m], plain)), (isa, m)
+    ids = torch.tensor([0, 8, 15, 64, 71])
+    assert torch.equal(pairs.rows(ids), plain.rows(ids))
 
 
 def test_unknown_instruction_set_is_refused() -> None:
@@ -126,9 +144,10 @@ def test_bundled_gguf_blocks(quantized_model, dense_model) -> None:
     (HF-layout) weights."""
     qkv = quantized_model.layers[3].qkv
     dense = dense_model.layers[3].qkv
-    assert isinstance(qkv, QuantizedWeight) and qkv.format == "q4_1x8"
+    layout = "x8p" if cpu_kernel.pairs_groups() else "x8"  # the one for this CPU's best instruction set
+    assert isinstance(qkv, QuantizedWeight) and qkv.format == f"q4_1{layout}"
     assert torch.equal(qkv.dequantize(), dense)
-    assert isinstance(quantized_model.embed, QuantizedWeight) and quantized_model.embed.format == "q8_0x8"
+    assert isinstance(quantized_model.embed, QuantizedWeight) and quantized_model.embed.format == f"q8_0{layout}"
 
 
 def test_bad_shapes_are_refused() -> None:
