@@ -113,7 +113,9 @@ struct Team {
     }
     const KvPrefetch* job = kv_job.load(std::memory_order_acquire);
     if (job != at.kv.job) at.kv = KvCursor{job, tid - 1, 0};
-    const auto line = [job](bool v, int64_t offset) { _mm_prefetch((v ? job->v_base : job->k_base) + offset, _MM_HINT_T0); };
+    const auto line = [job](bool v, int64_t offset) {
+      _mm_prefetch((v ? job->v_base : job->k_base) + offset, _MM_HINT_T0);
+    };
     if (next_kv_lines(at.kv, size - 1, 8, line)) return;
     _mm_pause();
   }
