@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 
 from kernels import cpu_kernel, fused_ops, quant_linear
 from kernels.quant_linear import QuantizedWeight
+from tests.threads import torch_threads
 
 FORMATS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0,
            # the same blocks, interleaved by 8 rows after quantizing; x8p: those groups two by two
@@ -107,14 +108,10 @@ def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
             assert torch.equal(y, outputs["avx2"][45][:m]), (isa, m)  # a row's output is its own
     # Nor on where the threads cut the groups: 1 thread takes all 9; 2 and 3 threads cut at groups 5 and
     # 3 and 6, inside pairs (x8p stores groups two by two, so a cut there leaves a group without its partner).
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 3):
-            torch.set_num_threads(n)
+    for n in (1, 3):
+        with torch_threads(n):
             for m in (1, 8, 45):
                 assert torch.equal(quant_linear.linear(x[:m], w), outputs["avx2"][m]), (n, m)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
