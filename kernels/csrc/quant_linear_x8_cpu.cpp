@@ -70,7 +70,7 @@ struct X8Layout {
   int64_t stride(int64_t g) const { return paired(g) ? 2 * block_bytes : block_bytes; }  // block b to b + 1
   int64_t offset(int64_t g, int64_t b) const {
     if (!paired(g)) return g * nb * block_bytes + b * block_bytes;
-    return (g & ~int64_t{1}) * nb * block_bytes + (g & 1) * block_bytes + b * stride(g);
+    return (g & ~int64_t{1}) * nb * block_bytes + (g & 1) * block_bytes + 2 * b * block_bytes;
   }
 };
 

@@ -135,9 +135,8 @@ template <bool kQ4_1>
 inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t nb, const uint8_t* w, int64_t g0,
                            int64_t g1, float* y, int64_t N, bool pairs) {
   constexpr int64_t kBytes = kQ4_1 ? 160 : 272;
-  const int64_t group_bytes = nb * kBytes;
   const X8Layout layout{nb, N / 8, kBytes, pairs};
-  const int64_t partner = pairs ? kBytes : group_bytes, block_stride = pairs ? 2 * kBytes : kBytes;
+  const int64_t partner = pairs ? kBytes : nb * kBytes, block_stride = pairs ? 2 * kBytes : kBytes;
   std::vector<uint8_t> xu;  // Q8_0: x + 128 as unsigned bytes (the sign bit flipped)
   if constexpr (!kQ4_1) {
     xu.resize(x.q.size());
@@ -157,8 +156,8 @@ inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t
     ++g;
   }
   for (; g + 2 <= g1 && (!pairs || layout.paired(g)); g += 2) {
-    const uint8_t* pair = w + g * group_bytes;
-    const uint8_t* next = g + 4 <= g1 ? pair + 2 * group_bytes : nullptr;
+    const uint8_t* pair = w + layout.offset(g, 0);
+    const uint8_t* next = g + 4 <= g1 ? w + layout.offset(g + 2, 0) : nullptr;
     float* yg = y + g * 8;
     if (unpack_once)
       for (int64_t b = 0; b < nb; ++b) {
