@@ -37,7 +37,8 @@ from workers.engine.engine import Engine  # noqa: E402
 from workers.protocol.sampling_params import SamplingParams  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the bundled model's attention
-GROUPS = {"matrices": ("tandem_cpu::q4_1x8_linear", "tandem_cpu::q8_0x8_linear"),
+GROUPS = {"matrices": ("tandem_cpu::q4_1x8_linear", "tandem_cpu::q8_0x8_linear", "tandem_cpu::q4_1x8p_linear",
+                        "tandem_cpu::q8_0x8p_linear"),
           "attention": ("tandem_cpu::paged_prefill_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                         "aten::_scaled_dot_product_attention_math")}
 
