@@ -13,10 +13,11 @@
 //
 // Query i of sequence s sits at position seq_len - q_len + i and sees keys at positions <= its own.
 //
-//   one item's scratch; a row r = (head j of the group, query i) is r = j * kQueries + i, and rows go 8 to a group
-//     qt [groups, D, 8]   queries x scale, transposed: a group's 8 rows are the lanes of every vector
+//   one item's scratch; a row r = (head j of the group, query i) is r = j * kQueries + i, and rows go W to a group
+//   (W: a vector's lanes, 8 on the 256-bit loops, 16 on the 512-bit ones: paged_prefill_loops.h)
+//     qt [groups, D, W]   queries x scale, transposed: a group's W rows are the lanes of every vector
 //     kb, vb [8, D]       a block's keys and values, widened to fp32
-//     p  [groups, 8, 8]   exp(s - m) of the block, key-major (lanes: rows)
+//     p  [groups, 8, W]   exp(s - m) of the block, key-major (lanes: rows)
 //     o  [rows, D]        running sum of p v;   m, l [rows]: running max and sum of exp(s - m)
 
 #include <ATen/Parallel.h>
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "head_dispatch.h"
+#include "tandem_cpu.h"
 
 namespace {
 
@@ -69,124 +71,64 @@ struct Scratch {
   std::vector<float> qt, kb, vb, p, o, m, l;
 };
 
-// Scores of 8 rows against a block's 8 keys, rows in lanes: s[t] = sum_d qt[d] k_t[d] (8 accumulators, one a key;
-// each d loads the 8 rows' query values once and broadcasts each key's).
-template <int64_t D>
-inline void scores8(const float* qt, const float* kb, __m256 (&s)[kKeys]) {
-  for (int64_t t = 0; t < kKeys; ++t) s[t] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m256 q = _mm256_loadu_ps(qt + d * 8);
-    for (int64_t t = 0; t < kKeys; ++t) s[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(kb + t * D + d), q, s[t]);
-  }
-}
+// The item's loops, once per vector width (paged_prefill_loops.h): the same bits from either.
+namespace avx2 {
+using R = __m256;
+using Mask = __m256;
+constexpr int kW = 8;
+inline R load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, R a) { _mm256_storeu_ps(p, a); }
+inline R zero() { return _mm256_setzero_ps(); }
+inline R set1(float x) { return _mm256_set1_ps(x); }
+inline R bcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+inline R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+inline R add(R a, R b) { return _mm256_add_ps(a, b); }
+inline R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+inline R max(R a, R b) { return _mm256_max_ps(a, b); }
+inline R min(R a, R b) { return _mm256_min_ps(a, b); }
+inline R iota() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
+inline Mask le(R a, R b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+inline Mask gt(R a, R b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+inline R select(Mask m, R if_false, R if_true) { return _mm256_blendv_ps(if_false, if_true, m); }
+inline R keep(R a, Mask m) { return _mm256_and_ps(a, m); }
+inline bool any(Mask m) { return _mm256_movemask_ps(m) != 0; }
+inline R exp(R a) { return static_cast<__m256>(Vec(a).exp_u20()); }
+#include "paged_prefill_loops.h"
+}  // namespace avx2
 
-// o[r] += sum_t p[t][r] v_t for 8 rows at once: 8 independent FMA chains, each key's 8 values loaded once for
-// the 8 rows (one chain a row would wait on the FMA latency at every key).
-template <int64_t D>
-inline void weigh8(const float* p, const float* vb, float* o) {
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 acc[8];
-    for (int r = 0; r < 8; ++r) acc[r] = _mm256_loadu_ps(o + r * D + d);
-    for (int64_t t = 0; t < kKeys; ++t) {
-      const __m256 v = _mm256_loadu_ps(vb + t * D + d);
-      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t * 8 + r), v, acc[r]);
-    }
-    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(o + r * D + d, acc[r]);
-  }
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni")  // run only where cpu_isa.cpp found all three
+namespace avx512 {
+using R = __m512;
+using Mask = __mmask16;
+constexpr int kW = 16;
+inline R load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, R a) { _mm512_storeu_ps(p, a); }
+inline R zero() { return _mm512_setzero_ps(); }
+inline R set1(float x) { return _mm512_set1_ps(x); }
+inline R bcast(const float* p) { return _mm512_set1_ps(*p); }
+inline R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+inline R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+inline R add(R a, R b) { return _mm512_add_ps(a, b); }
+inline R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+inline R max(R a, R b) { return _mm512_max_ps(a, b); }
+inline R min(R a, R b) { return _mm512_min_ps(a, b); }
+inline R iota() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline Mask le(R a, R b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+inline Mask gt(R a, R b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+inline R select(Mask m, R if_false, R if_true) { return _mm512_mask_blend_ps(m, if_false, if_true); }
+inline R keep(R a, Mask m) { return _mm512_maskz_mov_ps(m, a); }
+inline bool any(Mask m) { return m != 0; }
+// at::vec's exp in this (AVX2) build is 8 lanes wide: each half through it, as the 256-bit loops take it.
+inline R exp(R a) {
+  const __m256 lo = Vec(_mm512_castps512_ps256(a)).exp_u20();
+  const __m256 hi = Vec(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))).exp_u20();
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 }
-
-// One item: queries [i0, i1) of a sequence (its block table at `table`, `ctx` tokens before its first query) for
-// the KV head g's per_kv query heads. Rows go 8 to a group (lanes of the scores and of the softmax state); a
-// group's rows are one head's queries i0 + 8h .. i0 + 8h + 7 (rows past i1 compute and are never written).
-template <int64_t D, typename T>
-void attend_item(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t block_size,
-                 int64_t row_stride, int64_t g, int64_t num_heads, int64_t per_kv, int64_t q_start, int64_t ctx,
-                 int64_t i0, int64_t i1, float scale, float* out, Scratch& sc) {
-  constexpr int64_t kGroupsPerHead = kQueries / 8;
-  const int64_t rows = per_kv * kQueries, groups = rows / 8, n = i1 - i0;
-  const int64_t last_key = ctx + i1 - 1;  // the item's last query sees keys up to here
-  sc.qt.assign(rows * D, 0.f);
-  sc.o.assign(rows * D, 0.f);
-  sc.p.resize(groups * kKeys * 8);
-  sc.kb.resize(kKeys * D);
-  sc.vb.resize(kKeys * D);
-  sc.m.assign(rows, -1e30f);  // finite: exp(m_old - m_new) is then 0, not NaN, at the first block
-  sc.l.assign(rows, 0.f);
-  for (int64_t j = 0; j < per_kv; ++j)
-    for (int64_t i = 0; i < n; ++i) {
-      const float* src = q + ((q_start + i0 + i) * num_heads + g * per_kv + j) * D;
-      const int64_t r = j * kQueries + i;
-      float* dst = sc.qt.data() + (r / 8) * D * 8 + r % 8;  // [group][d][lane]
-      for (int64_t d = 0; d < D; ++d) dst[d * 8] = src[d] * scale;
-    }
-  const int64_t col = g * head_row<T>(D);
-  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
-    const int64_t nk = std::min<int64_t>(kKeys, last_key + 1 - k0);
-    for (int64_t t = 0; t < kKeys; ++t) {
-      if (t < nk) {
-        const int64_t pos = k0 + t;
-        const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        widen_row<D, T>(k_cache + slot * row_stride + col, sc.kb.data() + t * D);
-        widen_row<D, T>(v_cache + slot * row_stride + col, sc.vb.data() + t * D);
-      } else {
-        std::fill_n(sc.kb.data() + t * D, D, 0.f);
-        std::fill_n(sc.vb.data() + t * D, D, 0.f);
-      }
-    }
-    for (int64_t grp = 0; grp < groups; ++grp) {
-      __m256 s[kKeys];
-      scores8<D>(sc.qt.data() + grp * D * 8, sc.kb.data(), s);
-      // Each lane's query position; a row past the item's queries sees every key of the item (harmless, unused).
-      const int64_t first = ctx + i0 + (grp % kGroupsPerHead) * 8;
-      const __m256 pos = _mm256_min_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(first)), lane),
-                                       _mm256_set1_ps(static_cast<float>(last_key)));
-      __m256 seen[kKeys];
-      __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < kKeys; ++t) {
-        const float key = static_cast<float>(t < nk ? k0 + t : last_key + 1);  // padding keys: seen by none
-        seen[t] = _mm256_cmp_ps(_mm256_set1_ps(key), pos, _CMP_LE_OQ);
-        top = _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), s[t],
-                                                  seen[t]));
-      }
-      float* m = sc.m.data() + grp * 8;
-      const __m256 m_old = _mm256_loadu_ps(m), m_new = _mm256_max_ps(m_old, top);
-      const __m256 rose = _mm256_cmp_ps(m_new, m_old, _CMP_GT_OQ);  // alpha exactly 1 where the max stayed
-      const __m256 alpha = _mm256_blendv_ps(_mm256_set1_ps(1.f),
-                                            static_cast<__m256>((Vec(m_old) - Vec(m_new)).exp_u20()), rose);
-      __m256 sum = _mm256_setzero_ps();
-      float* p = sc.p.data() + grp * kKeys * 8;
-      for (int64_t t = 0; t < kKeys; ++t) {  // unseen lanes zeroed after the exp (bitwise), whatever it made
-        const __m256 e = _mm256_and_ps(static_cast<__m256>((Vec(s[t]) - Vec(m_new)).exp_u20()), seen[t]);
-        _mm256_storeu_ps(p + t * 8, e);
-        sum = _mm256_add_ps(sum, e);
-      }
-      float* l = sc.l.data() + grp * 8;
-      _mm256_storeu_ps(l, _mm256_fmadd_ps(_mm256_loadu_ps(l), alpha, sum));
-      _mm256_storeu_ps(m, m_new);
-      // Rows whose max rose scale what they hold by alpha before this block adds to it.
-      if (_mm256_movemask_ps(rose) != 0) {
-        alignas(32) float a[8];
-        _mm256_store_ps(a, alpha);
-        for (int r = 0; r < 8; ++r) {
-          if (a[r] == 1.f) continue;
-          float* o = sc.o.data() + (grp * 8 + r) * D;
-          const __m256 ar = _mm256_set1_ps(a[r]);
-          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), ar));
-        }
-      }
-      weigh8<D>(p, sc.vb.data(), sc.o.data() + grp * 8 * D);
-    }
-  }
-  for (int64_t j = 0; j < per_kv; ++j)
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = j * kQueries + i;
-      const __m256 inv = _mm256_set1_ps(1.f / sc.l[r]);  // l >= 1: the row's largest score adds exp(0)
-      float* dst = out + ((q_start + i0 + i) * num_heads + g * per_kv + j) * D;
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(sc.o.data() + r * D + d), inv));
-    }
-}
+#include "paged_prefill_loops.h"
+}  // namespace avx512
+#pragma GCC pop_options
 
 template <int64_t D, typename T>
 void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -214,14 +156,21 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   float* op = out.data_ptr<float>();
+  // 512-bit vectors where the kernels' instruction set has them: 16 rows a group, half the instructions.
+  const bool wide = tandem_cpu::isa() == tandem_cpu::Isa::kAvx512Vnni;
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     Scratch sc;
     for (int64_t w = next++; w < num_items; w = next++) {
       const Item& it = items[w];
       const int64_t q_len = qsl[it.s + 1] - qsl[it.s];
-      attend_item<D, T>(qp, kp, vp, block_tables.data_ptr<int32_t>() + it.s * block_tables.size(1), block_size,
-                        row_stride, it.g, num_heads, per_kv, qsl[it.s], lens[it.s] - q_len, it.i0,
-                        std::min<int64_t>(q_len, it.i0 + kQueries), scale, op, sc);
+      const int32_t* table = block_tables.data_ptr<int32_t>() + it.s * block_tables.size(1);
+      const int64_t i1 = std::min<int64_t>(q_len, it.i0 + kQueries), ctx = lens[it.s] - q_len;
+      if (wide)
+        avx512::attend_item<D, T>(qp, kp, vp, table, block_size, row_stride, it.g, num_heads, per_kv, qsl[it.s], ctx,
+                                  it.i0, i1, scale, op, sc);
+      else
+        avx2::attend_item<D, T>(qp, kp, vp, table, block_size, row_stride, it.g, num_heads, per_kv, qsl[it.s], ctx,
+                                it.i0, i1, scale, op, sc);
     }
   });
 }

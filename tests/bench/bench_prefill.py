@@ -8,10 +8,11 @@ running requests' TPOT. Measured side by side in one run:
    of --tokens new tokens after a cached prefix of --prefix tokens (the chat template's system prompt hits
    the prefix cache this way), median ms, split by torch.profiler into the quantized matrices, attention,
    and the rest;
-2. one layer's attention over the paged int8 cache (the default) both ways, for a whole prompt and for the
-   prompt after the cached prefix: the compiled kernel (``kernels/csrc/paged_prefill_cpu.cpp``, what runs)
-   against SDPA over the gathered, widened cache (``kernels.torch_paged``, what ran before; a cached prefix
-   needs an explicit mask there), median of --repeats x 10 calls alternated, and their ratio.
+2. one layer's attention over the paged int8 cache (the default), for a whole prompt and for the prompt after the
+   cached prefix: the compiled kernel (``kernels/csrc/paged_prefill_cpu.cpp``, what runs) on each instruction set
+   this CPU has (its 256-bit loops, and its 512-bit ones on "avx512_vnni"), against SDPA over the gathered, widened
+   cache (``kernels.torch_paged``, what ran before; a cached prefix needs an explicit mask there), median of
+   --repeats x 10 calls alternated, and their ratios.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,8 +67,9 @@ def split_ms(engine: Engine, prompts: list[list[int]]) -> dict[str, float]:
     return out
 
 
-def attention_ab(tokens: int, prefix: int, repeats: int) -> tuple[float, float]:
-    """ms a layer for ``tokens`` new queries after ``prefix`` cached tokens: (compiled kernel, SDPA path)."""
+def attention_ab(tokens: int, prefix: int, repeats: int) -> dict[str, float]:
+    """ms a layer for ``tokens`` new queries after ``prefix`` cached tokens: the compiled kernel on each instruction
+    set this CPU has (256-bit loops; 512-bit ones on "avx512_vnni"), and the SDPA path."""
     seq_len = prefix + tokens
     blocks = (seq_len + BLOCK - 1) // BLOCK
     gen = torch.Generator().manual_seed(0)
@@ -78,21 +81,26 @@ def attention_ab(tokens: int, prefix: int, repeats: int) -> tuple[float, float]:
     lens = torch.tensor([seq_len], dtype=torch.int32)
     scale = HEAD_DIM ** -0.5
 
-    def compiled() -> torch.Tensor:
-        return cpu_kernel.paged_prefill_attention(q, k_cache, v_cache, table, qsl, lens, scale=scale)
+    def compiled(isa: str) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            with cpu_kernel.instruction_set(isa):
+                return cpu_kernel.paged_prefill_attention(q, k_cache, v_cache, table, qsl, lens, scale=scale)
+        return run
 
     def sdpa() -> torch.Tensor:
         return paged_prefill_attention_torch(q, k_cache, v_cache, table, qsl, lens, scale=scale)
 
-    assert (compiled() - sdpa()).abs().max().item() < 1e-4, "the two paths disagree"
-    times: dict[str, list[float]] = {"compiled": [], "sdpa": []}
+    paths = {**{isa: compiled(isa) for isa in cpu_kernel.instruction_sets()}, "SDPA": sdpa}
+    for name, fn in paths.items():
+        assert (fn() - sdpa()).abs().max().item() < 1e-4, f"{name} and SDPA disagree"
+    times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
-        for name, fn in (("compiled", compiled), ("sdpa", sdpa)):  # alternated: the machine's drift hits both
+        for name, fn in paths.items():  # alternated: the machine's drift hits all
             t0 = time.perf_counter()
             for _ in range(10):
                 fn()
             times[name].append((time.perf_counter() - t0) * 100)
-    return statistics.median(times["compiled"]), statistics.median(times["sdpa"])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -124,9 +132,10 @@ def main() -> None:
         print(f"{name:<28} {total:9.1f} {parts['matrices']:9.1f} {parts['attention']:10.1f} {rest:7.1f}")
     print(f"one layer's attention over the int8 cache, ms ({args.repeats} x 10 calls, alternated):")
     for prefix in (0, args.prefix):
-        compiled, sdpa = attention_ab(args.tokens, prefix, args.repeats)
-        print(f"  {args.tokens} new after {prefix} cached: compiled {compiled:.2f}, SDPA {sdpa:.2f}, "
-              f"{sdpa / compiled:.2f}x")
+        ms = attention_ab(args.tokens, prefix, args.repeats)
+        best = cpu_kernel.instruction_sets()[-1]
+        print(f"  {args.tokens} new after {prefix} cached: " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items())
+              + f"; SDPA / {best} {ms['SDPA'] / ms[best]:.2f}x, avx2 / {best} {ms['avx2'] / ms[best]:.2f}x")
 
 
 if __name__ == "__main__":

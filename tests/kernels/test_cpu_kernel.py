@@ -139,6 +139,41 @@ def test_store_kv_matches_reference_and_skips_padding(dtype: torch.dtype) -> Non
         cpu_kernel.store_kv(k, v, kc, vc, torch.tensor([0, 1, 2, 3, 16]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+def test_store_kv_of_a_prompt_is_the_same_on_any_thread_count(dtype: torch.dtype) -> None:
+    """A prompt's rows are shared among the threads (past 64 tokens): each row lands as the reference puts it (int8:
+    quantized as kv_quant's reference does), whatever the thread count; a bad slot anywhere writes nothing."""
+    from kernels.reference import store_kv_ref
+
+    tokens, blocks = 300, 24
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, (9 + 2 * 3) * 64, generator=g)
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(tokens, 3, 64), qkv[:, 12 * 64 :].view(tokens, 3, 64)
+    slots = torch.randperm(blocks * 16, generator=g)[:tokens]
+    slots[::7] = -1  # padding rows, skipped
+    width = 64 + 4 if dtype == torch.int8 else 64
+    empty = torch.zeros(blocks, 16, 3, width, dtype=dtype)
+    if dtype == torch.int8:
+        want = [torch.zeros(blocks * 16, 3, 64) for _ in range(2)]
+        for cache, rows in zip(want, (k, v), strict=True):
+            cache[slots[slots >= 0]] = rows[slots >= 0]
+        want_k, want_v = (kv_quant.quantize_rows(c.view(blocks, 16, 3, 64)) for c in want)  # empty rows: zeros
+    else:
+        want_k, want_v = empty.clone(), empty.clone()
+        store_kv_ref(k.to(dtype), v.to(dtype), want_k, want_v, slots)
+    for threads in (1, 2, 3):
+        kc, vc = empty.clone(), empty.clone()
+        with torch_threads(threads):
+            cpu_kernel.store_kv(k, v, kc, vc, slots)  # fp32 rows, into a cache of dtype
+        assert torch.equal(kc, want_k) and torch.equal(vc, want_v), threads
+        bad = slots.clone()
+        bad[-1] = blocks * 16
+        kc, vc = empty.clone(), empty.clone()
+        with torch_threads(threads), pytest.raises(RuntimeError, match="past the cache"):
+            cpu_kernel.store_kv(k, v, kc, vc, bad)
+        assert torch.equal(kc, empty) and torch.equal(vc, empty), threads
+
+
 def test_an_fp16_cache_reads_as_its_exact_fp32_widening() -> None:
     """Half the bytes a step reads, the same arithmetic: F16C widens each value exactly, so attention over an
     fp16 cache equals attention over that cache converted to fp32, bit for bit."""

@@ -65,6 +65,25 @@ def test_prefill_matches_the_reference(gqa: int, head_dim: int, block_size: int,
     assert (got.double() - expected).abs().max().item() < 1e-4  # fp32 sums and exp_u20, outputs of ~1-4
 
 
+@pytest.mark.parametrize("head_dim", cpu_kernel.HEAD_DIMS)
+def test_every_instruction_set_gives_the_same_bits(head_dim: int) -> None:
+    """The 512-bit loops take 16 rows a vector where the 256-bit ones take 8, each lane with the same arithmetic in
+    the same order: the same bits for every cache dtype. (On a CPU with AVX2 alone only the reference check bites.)"""
+    isas = cpu_kernel.instruction_sets()
+    for dtype in DTYPES:
+        kc, vc, k64, v64 = cache(100, 16, 3, head_dim, dtype, seed=head_dim)
+        q, tables, qsl, lens = packed([(300, 283), (77, 5), (40, 40)], 9, head_dim, 16, 100, seed=9)
+        scale = head_dim**-0.5
+        outs = {}
+        for isa in isas:
+            with cpu_kernel.instruction_set(isa):
+                outs[isa] = cpu_kernel.paged_prefill_attention(q, kc, vc, tables, qsl, lens, scale=scale)
+        expected = paged_prefill_attention_ref(q.double(), k64, v64, tables, qsl, lens, scale=scale)
+        assert (outs[isas[0]].double() - expected).abs().max().item() < 1e-4
+        for isa, got in outs.items():
+            assert torch.equal(got, outs[isas[0]]), (isa, dtype)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_any_thread_count_gives_the_same_rows(threads: int) -> None:
     """Items are taken from a shared counter, longest first: each is still computed whole, by one thread."""
