@@ -144,6 +144,19 @@ inline __m256 fold(R a) {
 }
 #include "paged_decode_loops.h"
 
+// The queries of a group rounded to int16 (15 bits a head: the largest value to 32767), with each head's scale.
+template <int64_t D>
+void round_queries(const float* q_scaled, int64_t per_kv, int16_t (*rounded)[D], float* q_scale) {
+  for (int64_t j = 0; j < per_kv; ++j) {
+    const float* qj = q_scaled + j * D;
+    float top = 0.f;
+    for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(qj[d]));
+    q_scale[j] = top / 32767.f;
+    const float inv = top > 0.f ? 32767.f / top : 0.f;
+    for (int64_t d = 0; d < D; ++d) rounded[j][d] = static_cast<int16_t>(std::nearbyint(qj[d] * inv));
+  }
+}
+
 // score() for an int8 cache, in integers: the group's queries are rounded to int16 (15 bits a head, against
 // K's 8: adding ~1e-5 of the query's largest value), and one vpdpwssd multiplies 32 K values by them and adds
 // pairs into 16 int32 lanes. A token's K row takes one widening a 32 values (the float path: a widening and a
@@ -154,18 +167,12 @@ void score_int8(const float* q_scaled, const int8_t* k_cache, const int32_t* tab
                 int64_t g, float* scores, int64_t stride) {
   static_assert(D % 32 == 0, "32 int16 values a register");
   constexpr int64_t kChunks = D / 32;
-  __m512i q16[kMaxHeadsPerKV][kChunks];
+  alignas(64) int16_t rounded[kMaxHeadsPerKV][D];
   float q_scale[kMaxHeadsPerKV];
-  for (int64_t j = 0; j < s.per_kv; ++j) {
-    const float* qj = q_scaled + j * D;
-    float top = 0.f;
-    for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(qj[d]));
-    q_scale[j] = top / 32767.f;
-    const float inv = top > 0.f ? 32767.f / top : 0.f;
-    alignas(64) int16_t rounded[D];
-    for (int64_t d = 0; d < D; ++d) rounded[d] = static_cast<int16_t>(std::nearbyint(qj[d] * inv));
-    for (int64_t c = 0; c < kChunks; ++c) q16[j][c] = _mm512_load_si512(rounded + 32 * c);
-  }
+  round_queries<D>(q_scaled, s.per_kv, rounded, q_scale);
+  __m512i q16[kMaxHeadsPerKV][kChunks];
+  for (int64_t j = 0; j < s.per_kv; ++j)
+    for (int64_t c = 0; c < kChunks; ++c) q16[j][c] = _mm512_load_si512(rounded[j] + 32 * c);
   alignas(32) __m256 partial[kMaxHeadsPerKV][8];
   alignas(32) float k_scale[8] = {};
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
@@ -193,6 +200,106 @@ void score_int8(const float* q_scaled, const int8_t* k_cache, const int32_t* tab
     }
   }
 }
+
+// 16 rows of 16 dwords, a register each, half transposed: after this, r[4i + k]'s 128-bit lane L holds dword
+// 4L + k of rows 4i .. 4i + 3 (unpacks within lanes); column_sums finishes each column across the lanes.
+inline void transpose16_in_lanes(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+}
+
+// kH heads' (from head j0) int32 sums for 16 tokens whose rows start at `rows`, `row_bytes` apart: each dword
+// column c of the rows (values 4c .. 4c + 3 of 16 tokens) split into its even and odd values as int16 pairs, each
+// meeting the heads' matching query pairs in one vpdpwssd.
+template <int64_t D, int kH>
+inline void column_sums(const int8_t* rows, int64_t row_bytes, const int32_t (*q_even)[D / 4],
+                        const int32_t (*q_odd)[D / 4], int64_t j0, __m512i* acc) {
+  __m512i sum[kH];
+  for (int j = 0; j < kH; ++j) sum[j] = _mm512_setzero_si512();
+  for (int64_t c0 = 0; c0 < D / 4; c0 += 16) {
+    __m512i r[16];
+    for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(rows + t * row_bytes + 4 * c0);
+    transpose16_in_lanes(r);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i v0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), v1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+      const __m512i w0 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+      const __m512i w1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+      const __m512i cols[4] = {_mm512_shuffle_i32x4(v0, w0, 0x88), _mm512_shuffle_i32x4(v0, w0, 0xDD),
+                               _mm512_shuffle_i32x4(v1, w1, 0x88), _mm512_shuffle_i32x4(v1, w1, 0xDD)};
+      for (int L = 0; L < 4; ++L) {  // column 4L + k: lane t holds row t's dword
+        const int64_t c = c0 + 4 * L + k;
+        const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(cols[L], 8), 8);
+        const __m512i odd = _mm512_srai_epi16(cols[L], 8);
+        for (int j = 0; j < kH; ++j) {
+          sum[j] = _mm512_dpwssd_epi32(sum[j], even, _mm512_set1_epi32(q_even[j0 + j][c]));
+          sum[j] = _mm512_dpwssd_epi32(sum[j], odd, _mm512_set1_epi32(q_odd[j0 + j][c]));
+        }
+      }
+    }
+  }
+  for (int j = 0; j < kH; ++j) acc[j] = sum[j];
+}
+
+// score_int8 16 tokens at a time, tokens in lanes: each 16 rows of K (64 values at a time) are transposed in
+// registers so that one vpdpwssd adds 2 products to each of 16 tokens' sums (the row-major loop adds 32 products to
+// one token's and then sums its lanes), for up to 4 of the group's heads at once. A token's whole dot product is
+// summed in int32 (at most D x 128 x 32767 < 2^31 for D <= 256) and converted once. For blocks of a multiple of 16
+// tokens (rows past a sequence's end lie in its last block: read, never stored).
+template <int64_t D>
+void score_int8_columns(const float* q_scaled, const int8_t* k_cache, const int32_t* table, int64_t len,
+                        const Shape& s, int64_t g, float* scores, int64_t stride) {
+  static_assert(D % 64 == 0, "64 int8 values a row register");
+  constexpr int64_t kCols = D / 4;  // dwords of a row: 4 values each
+  alignas(64) int16_t rounded[kMaxHeadsPerKV][D];
+  float q_scale[kMaxHeadsPerKV];
+  round_queries<D>(q_scaled, s.per_kv, rounded, q_scale);
+  // Dword c of a row (values 4c .. 4c + 3): its even values meet (q[4c], q[4c + 2]), its odd (q[4c+1], q[4c+3]).
+  int32_t q_even[kMaxHeadsPerKV][kCols], q_odd[kMaxHeadsPerKV][kCols];
+  const auto pack = [](int16_t lo, int16_t hi) {
+    return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(lo)) |
+                                static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
+  };
+  for (int64_t j = 0; j < s.per_kv; ++j)
+    for (int64_t c = 0; c < kCols; ++c) {
+      q_even[j][c] = pack(rounded[j][4 * c], rounded[j][4 * c + 2]);
+      q_odd[j][c] = pack(rounded[j][4 * c + 1], rounded[j][4 * c + 3]);
+    }
+  const int64_t row_bytes = s.row_stride;  // int8: bytes
+  const __m512i scale_at = _mm512_add_epi32(
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int32_t>(row_bytes))),
+      _mm512_set1_epi32(static_cast<int32_t>(D)));  // each row's scale, after its D values
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int64_t block = t0 / s.block_size, offset = t0 % s.block_size, n = std::min<int64_t>(16, len - t0);
+    if (offset == 0 && (block + 1) * s.block_size < len)
+      prefetch_block(k_cache, table[block + 1], s, g * s.head_stride);
+    const int8_t* rows = k_cache + (table[block] * s.block_size + offset) * s.row_stride + g * s.head_stride;
+    __m512i acc[kMaxHeadsPerKV];
+    for (int64_t j0 = 0; j0 < s.per_kv; j0 += 4) {
+      switch (std::min<int64_t>(4, s.per_kv - j0)) {
+        case 4: column_sums<D, 4>(rows, row_bytes, q_even, q_odd, j0, acc + j0); break;
+        case 3: column_sums<D, 3>(rows, row_bytes, q_even, q_odd, j0, acc + j0); break;
+        case 2: column_sums<D, 2>(rows, row_bytes, q_even, q_odd, j0, acc + j0); break;
+        default: column_sums<D, 1>(rows, row_bytes, q_even, q_odd, j0, acc + j0); break;
+      }
+    }
+    const __m512 k_scale = _mm512_i32gather_ps(scale_at, rows, 1);
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t j = 0; j < s.per_kv; ++j) {
+      const __m512 scales = _mm512_mul_ps(k_scale, _mm512_set1_ps(q_scale[j]));
+      _mm512_mask_storeu_ps(scores + j * stride + t0, valid, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j]), scales));
+    }
+  }
+}
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -216,12 +323,22 @@ void attend_range(const float* q_scaled, const T* kp, const T* vp, const int32_t
   const int64_t stride = (len + Vec::size() - 1) / Vec::size() * Vec::size();
   scores.resize(s.per_kv * stride);
   float inv_sum[kMaxHeadsPerKV], max[kMaxHeadsPerKV];
-  if constexpr (std::is_same_v<T, int8_t> && D % 32 == 0) {
-    if (wide) avx512::score_int8<D>(q_scaled, kp, table, len, s, g, scores.data(), stride);
-    else avx2::score<D, T>(q_scaled, kp, table, len, s, g, scores.data(), stride);
+  const auto row_major = [&] {  // a token's row at a time
+    if constexpr (std::is_same_v<T, int8_t> && D % 32 == 0) {
+      if (wide) avx512::score_int8<D>(q_scaled, kp, table, len, s, g, scores.data(), stride);
+      else avx2::score<D, T>(q_scaled, kp, table, len, s, g, scores.data(), stride);
+    } else {
+      if (wide) avx512::score<D, T>(q_scaled, kp, table, len, s, g, scores.data(), stride);
+      else avx2::score<D, T>(q_scaled, kp, table, len, s, g, scores.data(), stride);
+    }
+  };
+  if constexpr (std::is_same_v<T, int8_t> && D % 64 == 0) {
+    if (wide && s.block_size % 16 == 0)
+      avx512::score_int8_columns<D>(q_scaled, kp, table, len, s, g, scores.data(), stride);
+    else
+      row_major();
   } else {
-    if (wide) avx512::score<D, T>(q_scaled, kp, table, len, s, g, scores.data(), stride);
-    else avx2::score<D, T>(q_scaled, kp, table, len, s, g, scores.data(), stride);
+    row_major();
   }
   for (int64_t j = 0; j < s.per_kv; ++j) inv_sum[j] = softmax_numerators(scores.data() + j * stride, len, &max[j]);
   if (wide) avx512::weigh_values<D, T>(scores.data(), stride, vp, table, len, s, g, inv_sum, out_g);
