@@ -144,6 +144,51 @@ inline __m256 fold(R a) {
 }
 #include "paged_decode_loops.h"
 
+// at::vec's exp_u20 (this build's is 8 lanes wide) on 16 lanes, the same operations a lane: the same bits.
+inline __m512 exp_u20(__m512 x) {
+  const __m512 ln_min = _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50));
+  const __m512 ln_max = _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __mmask16 too_small = _mm512_cmp_ps_mask(x, ln_min, _CMP_LT_OS);
+  const __m512 src = _mm512_max_ps(_mm512_min_ps(x, ln_max), ln_min);
+  // fx = floor(x log2(e) + 1/2); r = x - fx ln(2); exp(x) = 2^fx exp(r), exp(r) by a degree-5 polynomial
+  const __m512 fx = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(src, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b)), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(fx, _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218)), src);
+  __m512 y = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.166676521f));
+  y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.499991506f));
+  y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.999999701f));
+  y = _mm512_fmadd_ps(r, y, one);
+  const __m512i n = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_sub_ps(fx, one)), _mm512_set1_epi32(127)), 23);  // 2^(fx - 1)
+  const __m512 scale = _mm512_mask_blend_ps(too_small, _mm512_castsi512_ps(n), _mm512_setzero_ps());
+  return _mm512_mul_ps(_mm512_mul_ps(y, scale), _mm512_set1_ps(2.f));
+}
+
+// softmax_numerators on 16 lanes.
+inline float softmax_numerators(float* x, int64_t len, float* max_out) {
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(x + t));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
+  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, x + t));
+  const float max = _mm512_reduce_max_ps(top);
+  *max_out = max;
+  const __m512 vmax = _mm512_set1_ps(max);
+  __m512 sum = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= len; t += 16) {
+    const __m512 e = exp_u20(_mm512_sub_ps(_mm512_loadu_ps(x + t), vmax));
+    _mm512_storeu_ps(x + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 e = exp_u20(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + t), vmax));
+  _mm512_mask_storeu_ps(x + t, tail, e);
+  sum = _mm512_mask_add_ps(sum, tail, sum, e);
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
 // The queries of a group rounded to int16 (15 bits a head: the largest value to 32767), with each head's scale.
 template <int64_t D>
 void round_queries(const float* q_scaled, int64_t per_kv, int16_t (*rounded)[D], float* q_scale) {
@@ -340,7 +385,9 @@ void attend_range(const float* q_scaled, const T* kp, const T* vp, const int32_t
   } else {
     row_major();
   }
-  for (int64_t j = 0; j < s.per_kv; ++j) inv_sum[j] = softmax_numerators(scores.data() + j * stride, len, &max[j]);
+  for (int64_t j = 0; j < s.per_kv; ++j)
+    inv_sum[j] = wide ? avx512::softmax_numerators(scores.data() + j * stride, len, &max[j])
+                      : softmax_numerators(scores.data() + j * stride, len, &max[j]);
   if (wide) avx512::weigh_values<D, T>(scores.data(), stride, vp, table, len, s, g, inv_sum, out_g);
   else avx2::weigh_values<D, T>(scores.data(), stride, vp, table, len, s, g, inv_sum, out_g);
   if (max_out != nullptr)
