@@ -120,12 +120,8 @@ inline Mask gt(R a, R b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
 inline R select(Mask m, R if_false, R if_true) { return _mm512_mask_blend_ps(m, if_false, if_true); }
 inline R keep(R a, Mask m) { return _mm512_maskz_mov_ps(m, a); }
 inline bool any(Mask m) { return m != 0; }
-// at::vec's exp in this (AVX2) build is 8 lanes wide: each half through it, as the 256-bit loops take it.
-inline R exp(R a) {
-  const __m256 lo = Vec(_mm512_castps512_ps256(a)).exp_u20();
-  const __m256 hi = Vec(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))).exp_u20();
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-}
+#include "vec512_exp.h"
+inline R exp(R a) { return exp_u20(a); }  // at::vec's exp_u20 on 16 lanes: the same bits
 #include "paged_prefill_loops.h"
 }  // namespace avx512
 #pragma GCC pop_options

@@ -2,7 +2,7 @@
 // avx2 (8 lanes) and avx512 (16 lanes, built under `#pragma GCC target`). A group of rows is kW rows, one a lane,
 // so the 512-bit loops do each score and each weighted value of 16 rows in one instruction where the 256-bit ones
 // take two. Every lane's arithmetic is the same in either (the same FMAs over d and over keys in the same order,
-// the same exp on 8 lanes at a time), so both give the same bits.
+// the same exp: vec512_exp.h), so both give the same bits.
 // The namespace defines, before including: R (the register type), Mask (a compare's result), kW (lanes in R), and
 // load / store / zero / set1 / bcast (a float at an address into every lane) / fmadd / mul / add / sub / max / min /
 // iota (0, 1, ..., kW - 1) / le / gt (compares) / select(mask, if_false, if_true) / keep(a, mask) (a's lanes where

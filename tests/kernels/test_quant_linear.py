@@ -177,6 +177,21 @@ def test_fused_elementwise_ops(m: int) -> None:
     assert torch.allclose(fused_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("width", [1536, 1000, 37])
+def test_silu_mul_gives_the_same_bits_on_every_instruction_set(width: int) -> None:
+    """512-bit loops (and a masked tail) where the kernels run AVX-512, at::vec's 256-bit ones elsewhere: a lane
+    takes the same operations either way, exp included, so the bits agree; values reach exp's clamps (|x| > 88)."""
+    gate_up = torch.cat([torch.randn(20, 2 * width) * 4, torch.linspace(-200, 200, 2 * width)[None]])
+    outs = {}
+    for isa in cpu_kernel.instruction_sets():
+        with cpu_kernel.instruction_set(isa):
+            outs[isa] = fused_ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(outs["avx2"], F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    for isa, got in outs.items():
+        assert torch.equal(got, outs["avx2"]), isa
+
+
 @pytest.mark.parametrize("num_tokens", [1, 5])
 def test_fused_rope_matches_hf_rotation(num_tokens: int) -> None:
     qkv = torch.randn(num_tokens, (9 + 2 * 3) * 64)
