@@ -144,6 +144,18 @@ void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& pac
   at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({B, num_heads + num_kv_heads, D});
   const at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, D});
+  // Every layer's caches have layer 0's shape, a fixed stride apart: checked once here, then passed by address.
+  const at::Tensor first_k = kv_cache.select(0, 0).select(0, 0), first_v = kv_cache.select(0, 0).select(0, 1);
+  tandem_cpu::check_store_kv(k, v, first_k, first_v, slots);
+  tandem_cpu::check_decode_attention(q_heads, first_k, first_v, tables, lens, o_heads);
+  const tandem_cpu::CacheLayer first_layer = tandem_cpu::cache_layer(first_k, first_v);
+  const int64_t layer_bytes = kv_cache.stride(0) * kv_cache.element_size();
+  const auto cache_of = [&](int64_t i) {
+    tandem_cpu::CacheLayer layer = first_layer;
+    layer.k = static_cast<char*>(first_layer.k) + i * layer_bytes;
+    layer.v = static_cast<char*>(first_layer.v) + i * layer_bytes;
+    return layer;
+  };
   const auto run_layers = [&] {
     tandem_cpu::prefetch_plan(plan.data(), static_cast<int64_t>(plan.size()));
     tandem_cpu::prefetch_kv(&kv_plan[0]);
@@ -165,10 +177,9 @@ void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& pac
       multiply(i, 0, x, qkv);
       if (w[2].numel()) qkv.add_(w[2]);
       tandem_cpu::rope_(qk, cos, sin);  // Q and K heads are adjacent in each row: one pass rotates both
-      at::Tensor layer_cache = kv_cache.select(0, i);
-      at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
-      tandem_cpu::store_kv(k, v, k_cache, v_cache, slots);
-      tandem_cpu::paged_decode_attention_out(q_heads, k_cache, v_cache, tables, lens, scale, o_heads);
+      const tandem_cpu::CacheLayer layer_cache = cache_of(i);
+      tandem_cpu::store_kv_unchecked(k, v, layer_cache, slots);
+      tandem_cpu::decode_attention_unchecked(q_heads, layer_cache, tables, lens, scale, o_heads);
       // The next layer's KV blocks: the workers pull them in while this layer's MLP runs (batch 8's attention
       // 34-36 -> 26-27 us a layer; after the leader's attention, so as not to compete with it).
       if (i + 1 < layers) tandem_cpu::prefetch_kv(&kv_plan[i + 1]);

@@ -373,15 +373,13 @@ void attend_range(const float* q_scaled, const T* kp, const T* vp, const int32_t
 }
 
 template <int64_t D, typename T>
-void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-            const at::Tensor& seq_lens, float scale, at::Tensor& out) {
+void attend(const at::Tensor& q, const T* kp, const T* vp, int64_t block_size, int64_t kv_heads,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale, at::Tensor& out) {
   const int64_t batch = q.size(0);
-  const Shape s{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), k_cache.size(1), block_tables.size(1),
-                k_cache.size(2) * head_row<T>(D), head_row<T>(D)};
+  const Shape s{q.size(1), kv_heads, q.size(1) / kv_heads, block_size, block_tables.size(1),
+                kv_heads * head_row<T>(D), head_row<T>(D)};
   const float* qp = q.data_ptr<float>();
   const int64_t q_row = q.stride(0);
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
@@ -478,20 +476,36 @@ void quantize_head_row(const float* x, int64_t d, int8_t* out) {
 
 namespace tandem_cpu {
 
-void paged_decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                at::Tensor& out) {
+void check_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& out) {
   tandem_cpu::check_attention_inputs(q, k_cache, v_cache, /*strided_rows=*/true);
-  const at::ScalarType cache_type = k_cache.scalar_type();
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables only");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous tensors only");
   TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxHeadsPerKV, "too many query heads per KV head");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat,
               "out must be contiguous fp32 of q's shape");
+}
+
+void decode_attention_unchecked(const at::Tensor& q, const CacheLayer& layer, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   const float fscale = static_cast<float>(scale);
-  tandem_cpu::with_head_and_cache(q.size(2), cache_type, [&](auto d, auto t) {
-    attend<decltype(d)::value, decltype(t)>(q, k_cache, v_cache, block_tables, seq_lens, fscale, out);
+  tandem_cpu::with_head_and_cache(q.size(2), layer.dtype, [&](auto d, auto t) {
+    using T = decltype(t);
+    attend<decltype(d)::value, T>(q, static_cast<const T*>(layer.k), static_cast<const T*>(layer.v),
+                                  layer.block_size, layer.kv_heads, block_tables, seq_lens, fscale, out);
   });
+}
+
+CacheLayer cache_layer(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  return {k_cache.data_ptr(), v_cache.data_ptr(), k_cache.scalar_type(), k_cache.size(0), k_cache.size(1),
+          k_cache.size(2), k_cache.size(3)};
+}
+
+void paged_decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                at::Tensor& out) {
+  check_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out);
+  decode_attention_unchecked(q, cache_layer(k_cache, v_cache), block_tables, seq_lens, scale, out);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -509,8 +523,8 @@ constexpr int64_t kStoreGrain = 64;  // tokens a thread takes at least
 // each head row is quantized as kernels/kv_quant.py's reference does (its bits exactly).
 //   k, v [T, KVH, D] (rows may be strided views of a fused QKV), caches [num_blocks, block_size, KVH, D]
 //   (int8: [..., KVH, D + 4])
-void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-              const at::Tensor& slot_mapping) {
+void check_store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "bad shapes");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -528,12 +542,19 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
               " x ", head_dim, to_int8 ? " (int8: D + 4)" : "");
   TORCH_CHECK(!to_int8 || head_dim % 8 == 0, "an int8 cache needs a head size that is a multiple of 8, not ", head_dim);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt, "integer slots");
+}
+
+void store_kv_unchecked(const at::Tensor& k, const at::Tensor& v, const CacheLayer& layer,
+                        const at::Tensor& slot_mapping) {
+  const bool to_half = k.scalar_type() == at::kFloat && layer.dtype == at::kHalf;
+  const bool to_int8 = k.scalar_type() == at::kFloat && layer.dtype == at::kChar;
+  const int64_t head_dim = k.size(2);
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = k.size(1) * k.size(2);
-  const int64_t row_bytes = k_cache.size(2) * k_cache.size(3) * k_cache.element_size();
+  const int64_t num_slots = layer.num_blocks * layer.block_size, row = k.size(1) * k.size(2);
+  const int64_t row_bytes = layer.kv_heads * layer.row * static_cast<int64_t>(c10::elementSize(layer.dtype));
   const int64_t* sp = slots.data_ptr<int64_t>();
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  auto* kc = static_cast<char*>(layer.k);
+  auto* vc = static_cast<char*>(layer.v);
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
   const auto put = [&](char* dst, const char* src) {
@@ -566,6 +587,12 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
       put(vc + sp[t] * row_bytes, vp + t * v.stride(0) * v.element_size());
     }
   });
+}
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  check_store_kv(k, v, k_cache, v_cache, slot_mapping);
+  store_kv_unchecked(k, v, cache_layer(k_cache, v_cache), slot_mapping);
 }
 
 }  // namespace tandem_cpu

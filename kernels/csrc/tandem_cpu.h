@@ -29,6 +29,22 @@ void paged_decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, 
                                 at::Tensor& out);
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
+// The same two split into their checks and their work on one layer's caches by address, for a loop over a stack's
+// layers that checks its inputs once: a tensor view of each layer's K and V caches (three selects) cost ~1 us.
+struct CacheLayer {
+  void *k, *v;  // [num_blocks, block_size, kv_heads, row] each, of dtype
+  at::ScalarType dtype;
+  int64_t num_blocks, block_size, kv_heads, row;
+};
+CacheLayer cache_layer(const at::Tensor& k_cache, const at::Tensor& v_cache);
+void check_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& out);
+void decode_attention_unchecked(const at::Tensor& q, const CacheLayer& layer, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, double scale, at::Tensor& out);
+void check_store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping);
+void store_kv_unchecked(const at::Tensor& k, const at::Tensor& v, const CacheLayer& layer,
+                        const at::Tensor& slot_mapping);
 
 // quant_linear_cpu.cpp: x [M, K] fp32 against a GGUF-blocked weight [N, K / 32 * block bytes] uint8
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w);
