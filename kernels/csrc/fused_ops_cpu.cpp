@@ -76,8 +76,10 @@ void silu_mul_row(float* out, const float* g, const float* u, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, silu_mul(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
-  if (tail != 0)
-    _mm512_mask_storeu_ps(out + i, tail, silu_mul(_mm512_maskz_loadu_ps(tail, g + i), _mm512_maskz_loadu_ps(tail, u + i)));
+  if (tail != 0) {
+    const __m512 a = _mm512_maskz_loadu_ps(tail, g + i), b = _mm512_maskz_loadu_ps(tail, u + i);
+    _mm512_mask_storeu_ps(out + i, tail, silu_mul(a, b));
+  }
 }
 }  // namespace avx512
 #pragma GCC pop_options

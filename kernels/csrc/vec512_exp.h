@@ -24,4 +24,3 @@ inline __m512 exp_u20(__m512 x) {
   const __m512 scale = _mm512_mask_blend_ps(too_small, _mm512_castsi512_ps(n), _mm512_setzero_ps());
   return _mm512_mul_ps(_mm512_mul_ps(y, scale), _mm512_set1_ps(2.f));
 }
-
