@@ -96,16 +96,19 @@ struct DecoderWeights : torch::CustomClassHolder {
   int64_t layers() const { return static_cast<int64_t>(weights.size()) / kPerLayer; }
 };
 
-// y = x w^T into y's storage.
-void linear(const at::Tensor& x, const at::Tensor& w, int64_t format, at::Tensor& y) {
+// y = x w^T into y's storage, then `after` on its columns: on each thread's own where the format splits them among
+// threads (x8 and x8p), else on all of them here.
+void linear(const at::Tensor& x, const at::Tensor& w, int64_t format, at::Tensor& y,
+            const tandem_cpu::ColumnsDone* after) {
   switch (format) {
     case 0: tandem_cpu::q4_1_linear_out(x, w, y); break;
     case 1: tandem_cpu::q8_0_linear_out(x, w, y); break;
-    case 2: tandem_cpu::q4_1x8_linear_out(x, w, y); break;
-    case 3: tandem_cpu::q8_0x8_linear_out(x, w, y); break;
-    case 4: tandem_cpu::q4_1x8p_linear_out(x, w, y); break;
-    default: tandem_cpu::q8_0x8p_linear_out(x, w, y); break;
+    case 2: tandem_cpu::q4_1x8_linear_out(x, w, y, after); return;
+    case 3: tandem_cpu::q8_0x8_linear_out(x, w, y, after); return;
+    case 4: tandem_cpu::q4_1x8p_linear_out(x, w, y, after); return;
+    default: tandem_cpu::q8_0x8p_linear_out(x, w, y, after); return;
   }
+  if (after != nullptr) (*after)(0, y.size(1));
 }
 
 // The rows a matrix gives: x8 and x8p formats hold 8 rows a group.
@@ -128,6 +131,10 @@ void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& pac
   TORCH_CHECK(slot_mapping.numel() == B && seq_lens.numel() == B && block_tables.size(0) == B,
               "one slot, length and block table a row of h");
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && cos.size(1) == D && cos.is_contiguous() &&
+                  cos.scalar_type() == at::kFloat && sin.sizes() == cos.sizes() && sin.is_contiguous() &&
+                  sin.scalar_type() == at::kFloat,
+              "cos and sin must be [B, head_dim] contiguous fp32");
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
 
@@ -141,14 +148,21 @@ void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& pac
   at::Tensor act = buffer(gate_up.size(1) / 2), mlp_out = buffer(h.size(1));
   const at::Tensor q_heads = qkv.narrow(1, 0, q_size).view({B, num_heads, D});  // as paged attention reads them
   at::Tensor o_heads = o.view({B, num_heads, D});
-  at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({B, num_heads + num_kv_heads, D});
-  const at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
+  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, D});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, D});
   // Every layer's caches have layer 0's shape, a fixed stride apart: checked once here, then passed by address.
   const at::Tensor first_k = kv_cache.select(0, 0).select(0, 0), first_v = kv_cache.select(0, 0).select(0, 1);
   tandem_cpu::check_store_kv(k, v, first_k, first_v, slots);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)  // every layer's cache has these slots: checked once, before any row is written
+    TORCH_CHECK(slot[b] < first_k.size(0) * first_k.size(1), "slot ", slot[b], " past the cache's ",
+                first_k.size(0) * first_k.size(1));
   tandem_cpu::check_decode_attention(q_heads, first_k, first_v, tables, lens, o_heads);
   const tandem_cpu::CacheLayer first_layer = tandem_cpu::cache_layer(first_k, first_v);
+  float* const qkv_rows = qkv.data_ptr<float>();
+  const float *const cos_rows = cos.data_ptr<float>(), *const sin_rows = sin.data_ptr<float>();
+  const int64_t qkv_width = qkv.size(1), total_heads = num_heads + 2 * num_kv_heads;
+  std::vector<uint8_t> head_done(total_heads);  // qkv's heads a thread has finished, a layer
   const int64_t layer_bytes = kv_cache.stride(0) * kv_cache.element_size();
   const auto cache_of = [&](int64_t i) {
     tandem_cpu::CacheLayer layer = first_layer;
@@ -160,25 +174,47 @@ void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& pac
     tandem_cpu::prefetch_plan(plan.data(), static_cast<int64_t>(plan.size()));
     tandem_cpu::prefetch_kv(&kv_plan[0]);
     // Layer i's matrix j is plan entry 4i + j: the workers prefetch the one after the entry the leader is on.
-    const auto multiply = [&](int64_t i, int64_t j, const at::Tensor& in, at::Tensor& out) {
+    const auto multiply = [&](int64_t i, int64_t j, const at::Tensor& in, at::Tensor& out,
+                              const tandem_cpu::ColumnsDone* after = nullptr) {
       tandem_cpu::prefetch_reached(i * kFormatsPerLayer + j);
       const at::Tensor& w = weights[i * kPerLayer + kMatrixSlots[j]];
       const int64_t format = formats[i * kFormatsPerLayer + j];
       static constexpr const char* kNames[kFormatsPerLayer] = {"qkv", "o_proj", "gate_up", "down"};
       TORCH_CHECK(out_rows(w, format) == out.size(1), "layer ", i, ": ", kNames[j], " has ", out_rows(w, format),
                   " rows, the heads and sizes need ", out.size(1));
-      linear(in, w, format, out);
+      linear(in, w, format, out, after);
     };
     for (int64_t i = 0; i < layers; ++i) {
       const at::Tensor* w = weights.data() + i * kPerLayer;
       // The previous layer's MLP output joins h in this layer's fused norm.
       if (i == 0) tandem_cpu::rms_norm_out(h, w[0], eps, x);
       else tandem_cpu::add_rms_norm_out_(h, mlp_out, w[0], eps, x);
-      multiply(i, 0, x, qkv);
-      if (w[2].numel()) qkv.add_(w[2]);
-      tandem_cpu::rope_(qk, cos, sin);  // Q and K heads are adjacent in each row: one pass rotates both
+      // Each of qkv's heads: its bias, RoPE (Q's and K's heads), into this layer's cache (K's and V's), done by
+      // the thread that computed it, while it is in that thread's cache: on the leader alone, reading the other
+      // core's half, batch 8's RoPE and KV store took ~9.6 us a layer while this VM's two vCPUs sat far apart (the
+      // fast-bus state: see bench_quant_decode) and ~3.1 when near. A head cut between two threads' columns is
+      // the leader's, once the matrix is done.
       const tandem_cpu::CacheLayer layer_cache = cache_of(i);
-      tandem_cpu::store_kv_unchecked(k, v, layer_cache, slots);
+      const float* bias = w[2].numel() ? w[2].data_ptr<float>() : nullptr;
+      const auto finish_head = [&](int64_t head) {
+        for (int64_t b = 0; b < B; ++b) {
+          float* row = qkv_rows + b * qkv_width + head * D;
+          if (bias != nullptr)
+            for (int64_t d = 0; d < D; ++d) row[d] += bias[head * D + d];
+          if (head < num_heads + num_kv_heads) tandem_cpu::rope_head(row, cos_rows + b * D, sin_rows + b * D, D);
+          if (head >= num_heads && slot[b] >= 0)
+            tandem_cpu::store_head_unchecked(layer_cache, head >= num_heads + num_kv_heads, slot[b],
+                                             (head - num_heads) % num_kv_heads, row);
+        }
+      };
+      const auto finish_heads_within = [&](int64_t begin, int64_t end) {
+        for (int64_t head = (begin + D - 1) / D; (head + 1) * D <= end; ++head) finish_head(head), head_done[head] = 1;
+      };
+      const tandem_cpu::ColumnsDone qkv_done(finish_heads_within);
+      std::fill(head_done.begin(), head_done.end(), 0);
+      multiply(i, 0, x, qkv, &qkv_done);
+      for (int64_t head = 0; head < total_heads; ++head)
+        if (!head_done[head]) finish_head(head);
       tandem_cpu::decode_attention_unchecked(q_heads, layer_cache, tables, lens, scale, o_heads);
       // The next layer's KV blocks: the workers pull them in while this layer's MLP runs (batch 8's attention
       // 34-36 -> 26-27 us a layer; after the leader's attention, so as not to compete with it).

@@ -153,31 +153,32 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out;
 }
 
+void rope_head(float* row, const float* c, const float* s, int64_t D) {
+  const int64_t half = D / 2;
+  int64_t i = 0;
+  for (; i + Vec::size() <= half; i += Vec::size()) {
+    const Vec x1 = Vec::loadu(row + i), x2 = Vec::loadu(row + half + i);
+    (x1 * Vec::loadu(c + i) - x2 * Vec::loadu(s + i)).store(row + i);
+    (x2 * Vec::loadu(c + half + i) + x1 * Vec::loadu(s + half + i)).store(row + half + i);
+  }
+  for (; i < half; ++i) {
+    const float x1 = row[i], x2 = row[half + i];
+    row[i] = x1 * c[i] - x2 * s[i];
+    row[half + i] = x2 * c[half + i] + x1 * s[half + i];
+  }
+}
+
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be [T, heads, D] fp32");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
                   cos.size(1) == x.size(2) && sin.sizes() == cos.sizes(),
               "cos and sin must be [T, D] contiguous");
-  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2);
   tandem_cpu::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos.data_ptr<float>() + t * D;
-      const float* s = sin.data_ptr<float>() + t * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* row = x.data_ptr<float>() + t * x.stride(0) + h * x.stride(1);
-        int64_t i = 0;
-        for (; i + Vec::size() <= half; i += Vec::size()) {
-          const Vec x1 = Vec::loadu(row + i), x2 = Vec::loadu(row + half + i);
-          (x1 * Vec::loadu(c + i) - x2 * Vec::loadu(s + i)).store(row + i);
-          (x2 * Vec::loadu(c + half + i) + x1 * Vec::loadu(s + half + i)).store(row + half + i);
-        }
-        for (; i < half; ++i) {
-          const float x1 = row[i], x2 = row[half + i];
-          row[i] = x1 * c[i] - x2 * s[i];
-          row[half + i] = x2 * c[half + i] + x1 * s[half + i];
-        }
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        rope_head(x.data_ptr<float>() + t * x.stride(0) + h * x.stride(1), cos.data_ptr<float>() + t * D,
+                  sin.data_ptr<float>() + t * D, D);
   });
 }
 

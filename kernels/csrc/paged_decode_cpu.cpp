@@ -544,37 +544,43 @@ void check_store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt, "integer slots");
 }
 
+void store_head_unchecked(const CacheLayer& layer, bool value, int64_t slot, int64_t head, const float* src) {
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(layer.dtype));
+  char* dst = static_cast<char*>(value ? layer.v : layer.k) + (slot * layer.kv_heads + head) * layer.row * elem;
+  if (layer.dtype == at::kChar) {
+    quantize_head_row(src, layer.row - kScaleBytes, reinterpret_cast<int8_t*>(dst));
+    return;
+  }
+  if (layer.dtype == at::kFloat) {
+    std::memcpy(dst, src, layer.row * sizeof(float));
+    return;
+  }
+  auto* to = reinterpret_cast<uint16_t*>(dst);  // fp16: rounded to nearest even, as torch's .to(float16)
+  int64_t i = 0;
+  for (; i + 8 <= layer.row; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < layer.row; ++i) to[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 void store_kv_unchecked(const at::Tensor& k, const at::Tensor& v, const CacheLayer& layer,
                         const at::Tensor& slot_mapping) {
   const bool to_half = k.scalar_type() == at::kFloat && layer.dtype == at::kHalf;
   const bool to_int8 = k.scalar_type() == at::kFloat && layer.dtype == at::kChar;
   const int64_t head_dim = k.size(2);
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t num_slots = layer.num_blocks * layer.block_size, row = k.size(1) * k.size(2);
+  const int64_t num_slots = layer.num_blocks * layer.block_size;
   const int64_t row_bytes = layer.kv_heads * layer.row * static_cast<int64_t>(c10::elementSize(layer.dtype));
   const int64_t* sp = slots.data_ptr<int64_t>();
-  auto* kc = static_cast<char*>(layer.k);
-  auto* vc = static_cast<char*>(layer.v);
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
-  const auto put = [&](char* dst, const char* src) {
-    if (to_int8) {
-      for (int64_t h = 0; h < k.size(1); ++h)
-        quantize_head_row(reinterpret_cast<const float*>(src) + h * head_dim, head_dim,
-                          reinterpret_cast<int8_t*>(dst) + h * (head_dim + kScaleBytes));
+  const auto put = [&](bool value, int64_t slot, const char* src) {
+    if (!to_int8 && !to_half) {  // the cache's own dtype
+      std::memcpy(static_cast<char*>(value ? layer.v : layer.k) + slot * row_bytes, src, row_bytes);
       return;
     }
-    if (!to_half) {
-      std::memcpy(dst, src, row_bytes);
-      return;
-    }
-    const float* from = reinterpret_cast<const float*>(src);
-    auto* to = reinterpret_cast<uint16_t*>(dst);
-    int64_t i = 0;
-    for (; i + 8 <= row; i += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < row; ++i) to[i] = _cvtss_sh(from[i], _MM_FROUND_TO_NEAREST_INT);
+    for (int64_t h = 0; h < k.size(1); ++h)
+      store_head_unchecked(layer, value, slot, h, reinterpret_cast<const float*>(src) + h * head_dim);
   };
   for (int64_t t = 0; t < k.size(0); ++t)  // checked first: a bad slot writes nothing
     TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " past the cache's ", num_slots);
@@ -583,8 +589,8 @@ void store_kv_unchecked(const at::Tensor& k, const at::Tensor& v, const CacheLay
   tandem_cpu::parallel_for(0, k.size(0), kStoreGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (sp[t] < 0) continue;
-      put(kc + sp[t] * row_bytes, kp + t * k.stride(0) * k.element_size());
-      put(vc + sp[t] * row_bytes, vp + t * v.stride(0) * v.element_size());
+      put(false, sp[t], kp + t * k.stride(0) * k.element_size());
+      put(true, sp[t], vp + t * v.stride(0) * v.element_size());
     }
   });
 }

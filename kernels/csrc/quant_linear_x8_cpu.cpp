@@ -169,7 +169,7 @@ at::Tensor to_x8(const at::Tensor& w, int64_t K) {
 }
 
 template <typename F, bool kPairs>
-void x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+void x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const tandem_cpu::ColumnsDone* after) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] contiguous fp32");
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32, got ", x.size(1));
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N / 8, bytes] uint8");
@@ -189,14 +189,16 @@ void x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   // Each thread walks its own groups of weight rows; every group meets all of x (M small: x stays in L1/L2). In a
   // decode step's thread team the workers have prefetched theirs (x8_prefetch_target): a smaller share for the
   // leader. A row's output does not depend on the cut (an odd group on the 256-bit loop gives the same bits).
-  tandem_cpu::prefetched_parallel_for(0, groups, kGroupGrain,
-                           [&](int64_t begin, int64_t end) { groups_fn(qx, M, nb, wp, begin, end, yp, N, kPairs); });
+  tandem_cpu::prefetched_parallel_for(0, groups, kGroupGrain, [&](int64_t begin, int64_t end) {
+    groups_fn(qx, M, nb, wp, begin, end, yp, N, kPairs);
+    if (after != nullptr) (*after)(begin * kX8Rows, end * kX8Rows);
+  });
 }
 
 template <typename F, bool kPairs>
 at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w) {
   at::Tensor y = at::empty({x.size(0), w.size(0) * kX8Rows}, x.options());
-  x8_linear_out<F, kPairs>(x, w, y);
+  x8_linear_out<F, kPairs>(x, w, y, nullptr);
   return y;
 }
 
@@ -246,10 +248,18 @@ at::Tensor x8_rows(const at::Tensor& w, const at::Tensor& ids, int64_t K) {
 
 namespace tandem_cpu {
 
-void q4_1x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q4_1x8, false>(x, w, y); }
-void q8_0x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q8_0x8, false>(x, w, y); }
-void q4_1x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q4_1x8, true>(x, w, y); }
-void q8_0x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) { x8_linear_out<Q8_0x8, true>(x, w, y); }
+void q4_1x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const ColumnsDone* after) {
+  x8_linear_out<Q4_1x8, false>(x, w, y, after);
+}
+void q8_0x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const ColumnsDone* after) {
+  x8_linear_out<Q8_0x8, false>(x, w, y, after);
+}
+void q4_1x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const ColumnsDone* after) {
+  x8_linear_out<Q4_1x8, true>(x, w, y, after);
+}
+void q8_0x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const ColumnsDone* after) {
+  x8_linear_out<Q8_0x8, true>(x, w, y, after);
+}
 
 PrefetchTarget x8_prefetch_target(const at::Tensor& w) {
   return {w.data_ptr<uint8_t>(), w.size(1), w.size(0), kGroupGrain};

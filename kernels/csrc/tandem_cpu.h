@@ -45,6 +45,9 @@ void check_store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
                     const at::Tensor& slot_mapping);
 void store_kv_unchecked(const at::Tensor& k, const at::Tensor& v, const CacheLayer& layer,
                         const at::Tensor& slot_mapping);
+// One token's fp32 head row (K's, or V's where `value`) into slot `slot` of a float, float16 or int8 cache, as
+// store_kv writes it: for a matrix's threads to store the heads they have just computed (decoder_cpu.cpp).
+void store_head_unchecked(const CacheLayer& layer, bool value, int64_t slot, int64_t head, const float* src);
 
 // quant_linear_cpu.cpp: x [M, K] fp32 against a GGUF-blocked weight [N, K / 32 * block bytes] uint8
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w);
@@ -54,10 +57,14 @@ void q4_1_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 void q8_0_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
 // quant_linear_x8_cpu.cpp: the same blocks interleaved by 8 rows, w [N / 8, K / 32 * 160 (Q4_1) or 272 (Q8_0)],
 // group after group (x8) or two by two (x8p)
-void q4_1x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
-void q8_0x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
-void q4_1x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
-void q8_0x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
+// `after`, where given, is work each thread does on the columns of y it has just computed, while they sit in its
+// cache: after(begin, end) once a thread's columns [begin, end) are done (a decode step's RoPE and KV store after
+// qkv; on a 2-core VM the other core's rows cost ~25 ns a cache line to read).
+using ColumnsDone = c10::function_ref<void(int64_t, int64_t)>;
+void q4_1x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const ColumnsDone* after = nullptr);
+void q8_0x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const ColumnsDone* after = nullptr);
+void q4_1x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const ColumnsDone* after = nullptr);
+void q8_0x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const ColumnsDone* after = nullptr);
 // w (any x8 format) as the rows q4_1x8_linear / q8_0x8_linear split among a thread team (thread_team.h)
 PrefetchTarget x8_prefetch_target(const at::Tensor& w);
 
@@ -69,6 +76,8 @@ void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tens
 void add_rms_norm_out_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps, at::Tensor& out);
 void silu_mul_out(const at::Tensor& gu, at::Tensor& out);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// One head row of D values in place, as rope_ turns each: c and s its token's cos and sin rows [D].
+void rope_head(float* row, const float* c, const float* s, int64_t D);
 at::Tensor argmax_rows(const at::Tensor& x);
 
 }  // namespace tandem_cpu
