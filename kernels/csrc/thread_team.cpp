@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -41,7 +42,13 @@ struct Team {
   int64_t begin = 0, end = 0;
   Split split;
   bool exit = false;
-  alignas(64) std::atomic<int64_t> done{0};  // workers finished with the current epoch's share
+  // Worker t's line: the last epoch whose share it has finished. A line a worker, written by it alone, so a hand-off
+  // costs two trips between the cores (the epoch there, this back), not the four a shared counter took (the
+  // leader's reset and its locked increment waited on the line, then each worker's locked increment).
+  struct alignas(64) Finished {
+    std::atomic<uint64_t> epoch{0};
+  };
+  std::unique_ptr<Finished[]> finished;
   // The prefetch plan: set once by the leader (release), read by the workers as they spin.
   alignas(64) std::atomic<const PrefetchTarget*> plan{nullptr};
   int64_t plan_count = 0;
@@ -61,17 +68,21 @@ struct Team {
     }
   }
 
-  // Publishes the current task (or exit) to the workers.
-  void publish() {
-    done.store(0, std::memory_order_relaxed);
-    epoch.fetch_add(1, std::memory_order_release);
+  // Publishes the current task (or exit) to the workers: a plain store, the leader being epoch's only writer.
+  void publish() { epoch.store(epoch.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+
+  bool all_finished(uint64_t now) const {
+    for (int64_t t = 1; t < size; ++t)
+      if (finished[t].epoch.load(std::memory_order_acquire) != now) return false;
+    return true;
   }
 
   // Cycles spent waiting; 0 where the workers had all finished first.
   uint64_t wait_workers() const {
-    if (done.load(std::memory_order_acquire) == size - 1) return 0;
+    const uint64_t now = epoch.load(std::memory_order_relaxed);
+    if (all_finished(now)) return 0;
     const uint64_t start = __rdtsc();
-    while (done.load(std::memory_order_acquire) != size - 1) _mm_pause();
+    while (!all_finished(now)) _mm_pause();
     return std::max<uint64_t>(1, __rdtsc() - start);
   }
 
@@ -129,7 +140,7 @@ struct Team {
       seen = now;
       if (exit) return;
       run_share(tid);
-      done.fetch_add(1, std::memory_order_acq_rel);
+      finished[tid].epoch.store(now, std::memory_order_release);
     }
   }
 };
@@ -145,6 +156,7 @@ void with_team(c10::function_ref<void()> body) {
     return;
   }
   Team team;  // its size is set by the leader: the runtime may give fewer threads than asked
+  team.finished = std::make_unique<Team::Finished[]>(threads);
   std::exception_ptr leader_error;
 #pragma omp parallel num_threads(threads)
   {
