@@ -542,6 +542,16 @@ void check_store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
               " x ", head_dim, to_int8 ? " (int8: D + 4)" : "");
   TORCH_CHECK(!to_int8 || head_dim % 8 == 0, "an int8 cache needs a head size that is a multiple of 8, not ", head_dim);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt, "integer slots");
+  TORCH_CHECK(slot_mapping.numel() == k.size(0), "one slot a token: ", slot_mapping.numel(), " for ", k.size(0));
+  // Here, before any row is written: a bad slot writes nothing.
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const auto check_slots = [&](const auto* sp) {
+    for (int64_t t = 0; t < slots.numel(); ++t)
+      TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " past the cache's ", num_slots);
+  };
+  if (slots.scalar_type() == at::kLong) check_slots(slots.data_ptr<int64_t>());
+  else check_slots(slots.data_ptr<int32_t>());
 }
 
 void store_head_unchecked(const CacheLayer& layer, bool value, int64_t slot, int64_t head, const float* src) {
@@ -569,7 +579,6 @@ void store_kv_unchecked(const at::Tensor& k, const at::Tensor& v, const CacheLay
   const bool to_int8 = k.scalar_type() == at::kFloat && layer.dtype == at::kChar;
   const int64_t head_dim = k.size(2);
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t num_slots = layer.num_blocks * layer.block_size;
   const int64_t row_bytes = layer.kv_heads * layer.row * static_cast<int64_t>(c10::elementSize(layer.dtype));
   const int64_t* sp = slots.data_ptr<int64_t>();
   const auto* kp = static_cast<const char*>(k.data_ptr());
@@ -582,8 +591,6 @@ void store_kv_unchecked(const at::Tensor& k, const at::Tensor& v, const CacheLay
     for (int64_t h = 0; h < k.size(1); ++h)
       store_head_unchecked(layer, value, slot, h, reinterpret_cast<const float*>(src) + h * head_dim);
   };
-  for (int64_t t = 0; t < k.size(0); ++t)  // checked first: a bad slot writes nothing
-    TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " past the cache's ", num_slots);
   // A prompt's rows on every thread (a 350-token prefill quantized its 2,100 head rows a layer on one: ~80 us);
   // a decode step's few under the grain, inline.
   tandem_cpu::parallel_for(0, k.size(0), kStoreGrain, [&](int64_t begin, int64_t end) {

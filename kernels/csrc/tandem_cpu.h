@@ -41,6 +41,8 @@ void check_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& out);
 void decode_attention_unchecked(const at::Tensor& q, const CacheLayer& layer, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, double scale, at::Tensor& out);
+// (check_store_kv checks every slot against the cache as well, so a bad one writes nothing: the unchecked store
+// does not look again.)
 void check_store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& slot_mapping);
 void store_kv_unchecked(const at::Tensor& k, const at::Tensor& v, const CacheLayer& layer,

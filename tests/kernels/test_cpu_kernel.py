@@ -137,6 +137,10 @@ def test_store_kv_matches_reference_and_skips_padding(dtype: torch.dtype) -> Non
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     with pytest.raises(RuntimeError, match="past the cache"):
         cpu_kernel.store_kv(k, v, kc, vc, torch.tensor([0, 1, 2, 3, 16]))
+    before = kc.clone(), vc.clone()
+    with pytest.raises(RuntimeError, match="one slot a token"):  # fewer slots than rows: not read past the end
+        cpu_kernel.store_kv(k, v, kc, vc, torch.tensor([0, 1], dtype=torch.int32))
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
