@@ -94,10 +94,11 @@ class SteadyLoad:
         while not self.stop.is_set():
             n += 1
             try:
-                # 320 tokens each (no early stop): ~1.3 s at 4 ms a token, so a request that just reached a
-                # worker is still there when the drain starts (at 160 a CI run's drain found none in flight).
+                # 1,000 tokens each (no early stop): 2-4 s at 2-4 ms a token, so a request that just reached a
+                # worker is still there when the drain starts (CI's drains found none in flight at 160 tokens, and
+                # at 320 once the decode step got faster).
                 stream = client.chat.completions.create(
-                    model="SmolLM2-135M-Instruct", stream=True, max_tokens=320, temperature=0,
+                    model="SmolLM2-135M-Instruct", stream=True, max_tokens=1000, temperature=0,
                     extra_body={"ignore_eos": True},
                     messages=[{"role": "user", "content": f"User {i}, question {n}: name a colour."}])
                 reasons = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
