@@ -42,6 +42,8 @@ class DecoderStack:
     packed: torch.ScriptObject  # decoder_cpu.cpp's DecoderWeights: 7 tensors and 4 format codes a layer
     num_heads: int
     num_kv_heads: int
+    # What the step passes: packed's number, while this holds packed (converting the object costs ~30 us a call).
+    handle: int
 
     @staticmethod
     def pack(layers: Sequence[LayerTensors], *, num_heads: int, num_kv_heads: int,
@@ -63,7 +65,7 @@ class DecoderStack:
             weights += [layer.attn_norm, qkv, bias, o_proj, layer.mlp_norm, gate_up, down]
             formats += [FORMAT_CODES[m.format] for m in matrices]
         packed = torch.classes.tandem_cpu.DecoderWeights(weights, formats)
-        return DecoderStack(packed, num_heads, num_kv_heads)
+        return DecoderStack(packed, num_heads, num_kv_heads, packed.handle())
 
     def takes(self, num_tokens: int, num_decode_tokens: int, h: Tensor, kv_cache: Tensor) -> bool:
         """Whether this step is one the compiled stack runs: decode only, fp32 on CPU (an fp32 or fp16 cache)."""
@@ -74,6 +76,6 @@ class DecoderStack:
     def run_(self, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slot_mapping: Tensor, block_tables: Tensor,
              seq_lens: Tensor, *, scale: float, eps: float) -> None:
         """h [B, hidden] becomes the residual stream after the last layer (the final norm is the caller's)."""
-        # The overload, not the packet: the packet walks every argument looking for fake script objects (~10 us).
-        torch.ops.tandem_cpu.decode_layers_.default(h, self.packed, cos, sin, kv_cache, slot_mapping,
-                                            block_tables, seq_lens, self.num_heads, self.num_kv_heads, scale, eps)
+        torch.ops.tandem_cpu.decode_layers_.default(h, self.handle, cos, sin, kv_cache, slot_mapping,
+                                                    block_tables, seq_lens, self.num_heads, self.num_kv_heads, scale,
+                                                    eps)

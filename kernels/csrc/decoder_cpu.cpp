@@ -7,8 +7,9 @@
 //
 // Decode-only steps (one token a sequence, attention through the paged cache), fp32, weights kept as
 // GGUF blocks (Q4_1 or Q8_0 per matrix). The weights are packed once into a DecoderWeights object (a TorchScript
-// custom class, as torch's own prepacked quantized linear weights are) and the step passes that one handle, not a
-// Tensor[] of 210 and an int[] of 120 to parse and check again every step.
+// custom class, as torch's own prepacked quantized linear weights are), not a Tensor[] of 210 and an int[] of 120
+// to parse and check again every step; the step passes the object's number (its `handle()`), not the object:
+// from Python a custom-class argument took ~30 us a call to convert (an int ~1), 2% of a batch-1 step.
 // Per layer, 7 tensors in `weights`:
 //   attn_norm [H], qkv [N_qkv, bytes], qkv_bias [N_qkv] or empty, o_proj, mlp_norm [H], gate_up, down
 // and 4 codes in `formats` (qkv, o_proj, gate_up, down): 0 = Q4_1, 1 = Q8_0, 2 = Q4_1 interleaved by 8 rows,
@@ -25,6 +26,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "tandem_cpu.h"
@@ -94,7 +97,52 @@ struct DecoderWeights : torch::CustomClassHolder {
   }
 
   int64_t layers() const { return static_cast<int64_t>(weights.size()) / kPerLayer; }
+
+  // The last strong reference is gone (the registry's is weak): out of the registry, so its number finds nothing.
+  void release_resources() override;
+
+  int64_t handle = -1;  // its number in the registry, once asked for
 };
+
+// Packed stacks by number. Weak references: a stack lives as long as Python holds its object, and a number whose
+// stack is gone is refused by name, never read.
+class Registry {
+ public:
+  int64_t add(const c10::intrusive_ptr<DecoderWeights>& w) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (w->handle < 0) {
+      w->handle = next_++;
+      stacks_.emplace(w->handle, c10::weak_intrusive_ptr<DecoderWeights>(w));
+    }
+    return w->handle;
+  }
+  c10::intrusive_ptr<DecoderWeights> find(int64_t handle) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = stacks_.find(handle);
+    c10::intrusive_ptr<DecoderWeights> w = it != stacks_.end() ? it->second.lock() : nullptr;
+    TORCH_CHECK(w, "no packed decoder stack numbered ", handle, " (freed, or not from DecoderWeights.handle())");
+    return w;
+  }
+  void remove(int64_t handle) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    stacks_.erase(handle);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<int64_t, c10::weak_intrusive_ptr<DecoderWeights>> stacks_;
+  int64_t next_ = 0;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry;  // never destroyed: stacks may be released during interpreter exit
+  return *r;
+}
+
+void DecoderWeights::release_resources() {
+  if (handle >= 0) registry().remove(handle);
+  weights.clear();
+}
 
 // y = x w^T into y's storage, then `after` on its columns: on each thread's own where the format splits them among
 // threads (x8 and x8p), else on all of them here.
@@ -114,10 +162,10 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t format, at::Tensor
 // The rows a matrix gives: x8 and x8p formats hold 8 rows a group.
 int64_t out_rows(const at::Tensor& w, int64_t format) { return w.size(0) * (format >= 2 ? 8 : 1); }
 
-void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& packed,
-                    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
-                    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+void decode_layers_(at::Tensor& h, int64_t stack, const at::Tensor& cos, const at::Tensor& sin,
+                    const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                     int64_t num_heads, int64_t num_kv_heads, double scale, double eps) {
+  const c10::intrusive_ptr<DecoderWeights> packed = registry().find(stack);
   const at::TensorList weights = packed->weights;
   const at::IntArrayRef formats = packed->formats;
   const int64_t layers = packed->layers();
@@ -135,30 +183,49 @@ void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& pac
                   cos.scalar_type() == at::kFloat && sin.sizes() == cos.sizes() && sin.is_contiguous() &&
                   sin.scalar_type() == at::kFloat,
               "cos and sin must be [B, head_dim] contiguous fp32");
-  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  // (slot_mapping int64 and every table contiguous, as the engine passes them: no dispatcher call ~2 us each)
+  const at::Tensor slots = slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous()
+                               ? slot_mapping : slot_mapping.to(at::kLong).contiguous();
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
 
   const std::vector<tandem_cpu::PrefetchTarget> plan = prefetch_plan(weights, formats, B);
   std::vector<tandem_cpu::KvBlock> kv_blocks;
   const std::vector<tandem_cpu::KvPrefetch> kv_plan = kv_jobs(kv_cache, tables, lens, kv_blocks);
-  // Every layer's activations have one shape: one buffer each for the whole step, not a tensor an op a layer.
-  const auto buffer = [&](int64_t cols) { return at::empty({B, cols}, h.options()); };
-  at::Tensor x = buffer(h.size(1)), qkv = buffer(q_size + 2 * kv_size), o = buffer(q_size);
-  at::Tensor o_proj = buffer(h.size(1)), gate_up = buffer(out_rows(weights[5], formats[2]));
-  at::Tensor act = buffer(gate_up.size(1) / 2), mlp_out = buffer(h.size(1));
-  const at::Tensor q_heads = qkv.narrow(1, 0, q_size).view({B, num_heads, D});  // as paged attention reads them
-  at::Tensor o_heads = o.view({B, num_heads, D});
-  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, D});
-  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, D});
+  // Every layer's activations have one shape: one buffer each for the whole step, not a tensor an op a layer. All
+  // in one allocation, and they and the views below made by at::from_blob, past the dispatcher: seven at::empty and
+  // eleven narrow, view and select calls took ~25 us a step.
+  const int64_t hidden = h.size(1), qkv_width = q_size + 2 * kv_size, gate_up_width = out_rows(weights[5], formats[2]);
+  const at::Tensor scratch = at::empty({B * (4 * hidden + qkv_width + q_size + gate_up_width + gate_up_width / 2)},
+                                       h.options());
+  float* free_at = scratch.data_ptr<float>();
+  const auto view = [&](float* data, at::IntArrayRef sizes, at::IntArrayRef strides) {
+    return at::from_blob(data, sizes, strides, h.options());
+  };
+  const auto buffer = [&](int64_t cols) {
+    float* data = free_at;
+    free_at += B * cols;
+    return view(data, {B, cols}, {cols, 1});
+  };
+  at::Tensor x = buffer(hidden), qkv = buffer(qkv_width), o = buffer(q_size);
+  at::Tensor o_proj = buffer(hidden), gate_up = buffer(gate_up_width);
+  at::Tensor act = buffer(gate_up_width / 2), mlp_out = buffer(hidden);
+  float* const qkv_rows = qkv.data_ptr<float>();
+  const at::Tensor q_heads = view(qkv_rows, {B, num_heads, D}, {qkv_width, D, 1});  // as paged attention reads them
+  at::Tensor o_heads = view(o.data_ptr<float>(), {B, num_heads, D}, {q_size, D, 1});
+  const at::Tensor k = view(qkv_rows + q_size, {B, num_kv_heads, D}, {qkv_width, D, 1});
+  const at::Tensor v = view(qkv_rows + q_size + kv_size, {B, num_kv_heads, D}, {qkv_width, D, 1});
   // Every layer's caches have layer 0's shape, a fixed stride apart: checked once here, then passed by address.
-  const at::Tensor first_k = kv_cache.select(0, 0).select(0, 0), first_v = kv_cache.select(0, 0).select(0, 1);
+  const auto first_cache = [&](int64_t which) {  // kv_cache[0, which]
+    return at::from_blob(static_cast<char*>(kv_cache.data_ptr()) + which * kv_cache.stride(1) * kv_cache.element_size(),
+                         kv_cache.sizes().slice(2), kv_cache.strides().slice(2), kv_cache.options());
+  };
+  const at::Tensor first_k = first_cache(0), first_v = first_cache(1);
   tandem_cpu::check_store_kv(k, v, first_k, first_v, slots);  // the slots too: every layer's cache has them
   const int64_t* slot = slots.data_ptr<int64_t>();
   tandem_cpu::check_decode_attention(q_heads, first_k, first_v, tables, lens, o_heads);
   const tandem_cpu::CacheLayer first_layer = tandem_cpu::cache_layer(first_k, first_v);
-  float* const qkv_rows = qkv.data_ptr<float>();
   const float *const cos_rows = cos.data_ptr<float>(), *const sin_rows = sin.data_ptr<float>();
-  const int64_t qkv_width = qkv.size(1), total_heads = num_heads + 2 * num_kv_heads;
+  const int64_t total_heads = num_heads + 2 * num_kv_heads;
   std::vector<uint8_t> head_done(total_heads);  // qkv's heads a thread has finished, a layer
   const int64_t layer_bytes = kv_cache.stride(0) * kv_cache.element_size();
   const auto cache_of = [&](int64_t i) {
@@ -222,7 +289,10 @@ void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& pac
       tandem_cpu::silu_mul_out(gate_up, act);
       multiply(i, 3, act, mlp_out);
     }
-    h.add_(mlp_out);
+    // The last layer's MLP output joins h: a loop, not at::add_ (a dispatcher call), the same sums.
+    float* const out = h.data_ptr<float>();
+    const float* const last = mlp_out.data_ptr<float>();
+    for (int64_t e = 0; e < B * hidden; ++e) out[e] += last[e];
   };
   // The step's ~150 parallel loops (5 a layer) share one team of threads: thread_team.h.
   tandem_cpu::with_team(run_layers);
@@ -231,9 +301,10 @@ void decode_layers_(at::Tensor& h, const c10::intrusive_ptr<DecoderWeights>& pac
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.class_<DecoderWeights>("DecoderWeights").def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>>());
-  m.def("decode_layers_(Tensor(a!) h, __torch__.torch.classes.tandem_cpu.DecoderWeights weights, Tensor cos, "
-        "Tensor sin, Tensor(b!) kv_cache, "
+  m.class_<DecoderWeights>("DecoderWeights")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def("handle", [](const c10::intrusive_ptr<DecoderWeights>& self) { return registry().add(self); });
+  m.def("decode_layers_(Tensor(a!) h, int stack, Tensor cos, Tensor sin, Tensor(b!) kv_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, "
         "float eps) -> ()");
 }

@@ -153,3 +153,22 @@ def test_an_error_inside_the_step_leaves_the_stack_working(quantized_model) -> N
     with pytest.raises(RuntimeError, match="layer 0: qkv has"):
         wrong.run_(h, cos, cos, kv, one.long(), one[None], one + 1, scale=1.0, eps=1e-5)
     assert_stack_matches_loop(quantized_model)
+
+
+def test_a_step_through_a_freed_stacks_number_is_refused(quantized_model) -> None:
+    """The step passes the packed weights' number; once nothing holds them, the number finds nothing (refused by
+    name, never read), and a live stack's number stays its own."""
+    stack = quantized_model.decoder_stack
+    cfg = quantized_model.config
+    copy = type(stack).pack(quantized_model.layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                            head_dim=cfg.head_dim)
+    assert copy is not None and copy.handle != stack.handle and copy.packed.handle() == copy.handle
+    freed = dataclasses.replace(copy, packed=None)
+    del copy
+    h = torch.zeros(1, cfg.hidden_size)
+    kv = torch.zeros(cfg.num_layers, 2, 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    one = torch.zeros(1, dtype=torch.int32)
+    cos = torch.ones(1, cfg.head_dim)
+    with pytest.raises(RuntimeError, match=f"no packed decoder stack numbered {freed.handle} "):
+        freed.run_(h, cos, cos, kv, one.long(), one[None], one + 1, scale=1.0, eps=1e-5)
+    assert_stack_matches_loop(quantized_model)
