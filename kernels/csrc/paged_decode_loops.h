@@ -9,7 +9,7 @@
 // go 8 at a time: each (token, head) leaves 8 partial sums, and 8 tokens' reduce together (sum8).
 template <int64_t D, typename T>
 void score(const float* q_scaled, const T* k_cache, const int32_t* table, int64_t len, const Shape& s,
-           int64_t g, float* scores, int64_t stride) {
+           int64_t g, float* scores, int64_t stride, const BlockFetcher<T>& fetch) {
   constexpr int64_t kChunks = D / kW;
   alignas(32) __m256 partial[kMaxHeadsPerKV][8];
   alignas(32) float k_scale[8] = {};  // int8 rows: the 8 tokens' scales, applied to their 8 sums at once
@@ -17,8 +17,7 @@ void score(const float* q_scaled, const T* k_cache, const int32_t* table, int64_
     const int64_t n = std::min<int64_t>(8, len - t0);
     int64_t block = t0 / s.block_size, offset = t0 % s.block_size;
     for (int64_t i = 0; i < n; ++i) {
-      if (offset == 0 && (block + 1) * s.block_size < len)
-        prefetch_block(k_cache, table[block + 1], s, g * s.head_stride);
+      if (offset == 0) fetch.reached(false, block);
       const T* k = k_cache + (table[block] * s.block_size + offset) * s.row_stride + g * s.head_stride;
       if (++offset == s.block_size) offset = 0, ++block;
       if constexpr (std::is_same_v<T, int8_t>) k_scale[i] = row_scale<D>(k);
@@ -51,7 +50,7 @@ void score(const float* q_scaled, const T* k_cache, const int32_t* table, int64_
 // is read once a slice for kH heads, and their accumulators (every bound a constant) stay in registers.
 template <int64_t D, typename T, int kH>
 void weigh_heads(const float* probs, int64_t stride, const T* v_cache, const int32_t* table, int64_t len,
-                 const Shape& s, int64_t g, int64_t j0, const float* inv_sum, float* out) {
+                 const Shape& s, int64_t g, int64_t j0, const float* inv_sum, float* out, const BlockFetcher<T>& fetch) {
   constexpr int64_t kChunks = D / kW;
   constexpr int64_t kSlice = kChunks < 4 ? kChunks : 4;
   for (int64_t c0 = 0; c0 < kChunks; c0 += kSlice) {
@@ -59,8 +58,7 @@ void weigh_heads(const float* probs, int64_t stride, const T* v_cache, const int
     _Pragma("GCC unroll 4") for (int j = 0; j < kH; ++j)
       _Pragma("GCC unroll 4") for (int64_t c = 0; c < kSlice; ++c) acc[j][c] = zero();
     for (int64_t start = 0; start < len; start += s.block_size) {
-      if (c0 == 0 && start + s.block_size < len)
-        prefetch_block(v_cache, table[start / s.block_size + 1], s, g * s.head_stride);
+      if (c0 == 0 && j0 == 0) fetch.reached(true, start / s.block_size);
       const T* vb = v_cache + table[start / s.block_size] * s.block_size * s.row_stride + g * s.head_stride + c0 * kW;
       const float* pb = probs + j0 * stride + start;
       const int64_t n = std::min(s.block_size, len - start);
@@ -90,14 +88,14 @@ void weigh_heads(const float* probs, int64_t stride, const T* v_cache, const int
 // All the group's heads, kHeadsAtOnce at a time.
 template <int64_t D, typename T>
 void weigh_values(const float* probs, int64_t stride, const T* v_cache, const int32_t* table, int64_t len,
-                  const Shape& s, int64_t g, const float* inv_sum, float* out) {
+                  const Shape& s, int64_t g, const float* inv_sum, float* out, const BlockFetcher<T>& fetch) {
   int64_t j0 = 0;
   for (; j0 + kHeadsAtOnce <= s.per_kv; j0 += kHeadsAtOnce)
-    weigh_heads<D, T, kHeadsAtOnce>(probs, stride, v_cache, table, len, s, g, j0, inv_sum, out);
+    weigh_heads<D, T, kHeadsAtOnce>(probs, stride, v_cache, table, len, s, g, j0, inv_sum, out, fetch);
   switch (s.per_kv - j0) {  // fewer than kHeadsAtOnce left
-    case 3: weigh_heads<D, T, 3>(probs, stride, v_cache, table, len, s, g, j0, inv_sum, out); break;
-    case 2: weigh_heads<D, T, 2>(probs, stride, v_cache, table, len, s, g, j0, inv_sum, out); break;
-    case 1: weigh_heads<D, T, 1>(probs, stride, v_cache, table, len, s, g, j0, inv_sum, out); break;
+    case 3: weigh_heads<D, T, 3>(probs, stride, v_cache, table, len, s, g, j0, inv_sum, out, fetch); break;
+    case 2: weigh_heads<D, T, 2>(probs, stride, v_cache, table, len, s, g, j0, inv_sum, out, fetch); break;
+    case 1: weigh_heads<D, T, 1>(probs, stride, v_cache, table, len, s, g, j0, inv_sum, out, fetch); break;
     default: break;
   }
 }
