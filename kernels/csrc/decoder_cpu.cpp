@@ -163,8 +163,8 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t format, at::Tensor
 int64_t out_rows(const at::Tensor& w, int64_t format) { return w.size(0) * (format >= 2 ? 8 : 1); }
 
 void decode_layers_(at::Tensor& h, int64_t stack, const at::Tensor& cos, const at::Tensor& sin,
-                    const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                    int64_t num_heads, int64_t num_kv_heads, double scale, double eps) {
+                    const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double scale, double eps) {
   const c10::intrusive_ptr<DecoderWeights> packed = registry().find(stack);
   const at::TensorList weights = packed->weights;
   const at::IntArrayRef formats = packed->formats;

@@ -599,8 +599,9 @@ void store_head_unchecked(const CacheLayer& layer, bool value, int64_t slot, int
   for (; i < layer.row; ++i) to[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
-void store_kv_unchecked(const at::Tensor& k, const at::Tensor& v, const CacheLayer& layer,
-                        const at::Tensor& slot_mapping) {
+// store_kv's work once checked: each token's K and V rows into its slot.
+static void store_kv_unchecked(const at::Tensor& k, const at::Tensor& v, const CacheLayer& layer,
+                               const at::Tensor& slot_mapping) {
   const bool to_half = k.scalar_type() == at::kFloat && layer.dtype == at::kHalf;
   const bool to_int8 = k.scalar_type() == at::kFloat && layer.dtype == at::kChar;
   const int64_t head_dim = k.size(2);

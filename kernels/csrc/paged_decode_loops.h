@@ -50,7 +50,8 @@ void score(const float* q_scaled, const T* k_cache, const int32_t* table, int64_
 // is read once a slice for kH heads, and their accumulators (every bound a constant) stay in registers.
 template <int64_t D, typename T, int kH>
 void weigh_heads(const float* probs, int64_t stride, const T* v_cache, const int32_t* table, int64_t len,
-                 const Shape& s, int64_t g, int64_t j0, const float* inv_sum, float* out, const BlockFetcher<T>& fetch) {
+                 const Shape& s, int64_t g, int64_t j0, const float* inv_sum, float* out,
+                 const BlockFetcher<T>& fetch) {
   constexpr int64_t kChunks = D / kW;
   constexpr int64_t kSlice = kChunks < 4 ? kChunks : 4;
   for (int64_t c0 = 0; c0 < kChunks; c0 += kSlice) {

@@ -29,8 +29,8 @@ void paged_decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, 
                                 at::Tensor& out);
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
-// The same two split into their checks and their work on one layer's caches by address, for a loop over a stack's
-// layers that checks its inputs once: a tensor view of each layer's K and V caches (three selects) cost ~1 us.
+// Decode attention and the KV store split into their checks and their work on one layer's caches by address, for a
+// loop over a stack's layers that checks its inputs once: a tensor view of each layer's caches (three selects) ~1 us.
 struct CacheLayer {
   void *k, *v;  // [num_blocks, block_size, kv_heads, row] each, of dtype
   at::ScalarType dtype;
@@ -41,12 +41,10 @@ void check_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& out);
 void decode_attention_unchecked(const at::Tensor& q, const CacheLayer& layer, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, double scale, at::Tensor& out);
-// (check_store_kv checks every slot against the cache as well, so a bad one writes nothing: the unchecked store
-// does not look again.)
+// (check_store_kv checks every slot against the cache as well, so a bad one writes nothing: the stores after it do
+// not look again.)
 void check_store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& slot_mapping);
-void store_kv_unchecked(const at::Tensor& k, const at::Tensor& v, const CacheLayer& layer,
-                        const at::Tensor& slot_mapping);
 // One token's fp32 head row (K's, or V's where `value`) into slot `slot` of a float, float16 or int8 cache, as
 // store_kv writes it: for a matrix's threads to store the heads they have just computed (decoder_cpu.cpp).
 void store_head_unchecked(const CacheLayer& layer, bool value, int64_t slot, int64_t head, const float* src);
