@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Main job: the whole cluster on this machine (local Ray, embedded Redis, 1 prefill + 1 decode worker).
+# Main job: the whole cluster on this machine (local Ray, embedded Redis, one decode worker that prefills locally).
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve
 
