@@ -183,7 +183,7 @@ def main() -> None:
         print(f"one core: {rate / 1e6:.1f} M (row, block pair) units a second, each 8 vpdpbusd zmm + 4 float "
               f"instructions ({8 * rate / 1e9:.2f} G vpdpbusd zmm a second)")
     else:
-        print(f"one core: {rate / 1e6:.1f} M (row, block, group) units a second, each 8 vpmaddubsw ymm + 8 int16 "
+        print(f"one core: {rate / 1e6:.1f} M (row, block, group) units a second, each 8 vpmaddubsw ymm + 7 int16 "
               f"adds + vpmaddwd + 4 float instructions ({8 * rate / 1e9:.2f} G vpmaddubsw ymm a second)")
     print(f"layer matrices at M={args.rows}: {units / 1e6:.2f} M units; floor on {threads} threads "
           f"{floor * 1e3:.2f} ms; measured {took * 1e3:.2f} ms (rounds "
