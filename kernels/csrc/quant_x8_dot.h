@@ -50,8 +50,8 @@ inline void q4_1x8_dot_rows_k_outer(const tandem_quant::QuantizedX& x, int64_t m
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
     _Pragma("GCC unroll 8")
     for (int r = 0; r < R; ++r) {
-      const __m256i sum32 = _mm256_madd_epi16(sum16[r], _mm256_set1_epi16(1));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum32), _mm256_mul_ps(d, _mm256_set1_ps(scale0[r * nb + b])), acc[r]);
+      const __m256 sum = tandem_quant::i32_sum_to_float(sum16[r]);
+      acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(scale0[r * nb + b])), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum0[r * nb + b]), acc[r]);
     }
   }
