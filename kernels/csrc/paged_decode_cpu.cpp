@@ -3,8 +3,8 @@
 // One work item per (sequence, KV head): the query heads sharing that KV head are scored together,
 // so every K and V row of the sequence is read from memory once (the torch path copies K out of the
 // cache before scoring it, and its V pass reads each row once per query head). Scores are kept in
-// fp32 and softmaxed with the row max subtracted; items run on ATen's intra-op thread pool (the
-// calling thread's torch thread count). The loops over tokens (paged_decode_loops.h) are built for
+// fp32 and softmaxed with the row max subtracted; items run on the step's thread team (else ATen's
+// intra-op pool), each thread taking the longest left next. The loops over tokens (paged_decode_loops.h) are built for
 // 256-bit and 512-bit vectors and follow the kernels' instruction set (cpu_isa.cpp); the softmax is
 // written with ATen's own vector types (at::vec), as PyTorch's CPU attention kernels are.
 //
@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <cstring>
@@ -426,23 +427,44 @@ void attend(const at::Tensor& q, const T* kp, const T* vp, int64_t block_size, i
     part_max.assign(items * splits * s.per_kv, 0.f);
     part_sum.assign(items * splits * s.per_kv, 0.f);  // 0: a range past its sequence's end
   }
-  tandem_cpu::parallel_for(0, items * splits, 1, [&](int64_t begin, int64_t end) {
+  // Work goes out a (sequence, token range) at a time, all its KV heads together (they share the cache lines of
+  // each token's row; a head at a time where there are too few ranges for the threads to share), and the threads
+  // take the longest left next from a shared counter: a range's time follows its length, and a batch's long
+  // sequences (old chats) sit together, so an even split gave one thread all of them (batch 16, 4 of 1,600 tokens
+  // first and 12 of 350: two threads no faster than one).
+  const int64_t threads = tandem_cpu::num_threads();
+  const int64_t unit_heads = batch * splits >= 2 * threads ? s.kv_heads : 1, head_groups = s.kv_heads / unit_heads;
+  const int64_t num_units = batch * splits * head_groups;
+  const auto range_tokens = [&](int64_t unit) {  // unit: (sequence, token range, group of unit_heads KV heads)
+    const int64_t r = unit / head_groups;
+    return std::min<int64_t>(lens[r / splits] - (r % splits) * range_len, range_len);
+  };
+  thread_local std::vector<int64_t> order;  // kept between calls, as the scratch below
+  order.resize(num_units);
+  for (int64_t u = 0; u < num_units; ++u) order[u] = u;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return range_tokens(a) > range_tokens(b); });
+  const int64_t* longest_first = order.data();  // the leader's: in the loop below, `order` is each thread's own
+  std::atomic<int64_t> next{0};
+  tandem_cpu::parallel_for(0, std::min(threads, num_units), 1, [&](int64_t, int64_t) {
     // Each thread's scratch, kept between calls: fresh vectors were two mallocs a thread a layer.
     thread_local std::vector<float> scores, q_scaled;
     q_scaled.resize(s.per_kv * D);
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t item = work / splits, part = work % splits;
-      const int64_t b = item / s.kv_heads, g = item % s.kv_heads;
-      const int64_t start = part * range_len, len = std::min<int64_t>(lens[b] - start, range_len);
+    for (int64_t taken = next++; taken < num_units; taken = next++) {
+      const int64_t unit = longest_first[taken], len = range_tokens(unit);
       if (len <= 0) continue;
-      const float* qg = qp + b * q_row + g * s.per_kv * D;
-      for (int64_t i = 0; i < s.per_kv * D; ++i) q_scaled[i] = qg[i] * scale;
-      const int32_t* table = tables + b * s.max_blocks + start / s.block_size;
-      const bool whole = splits == 1;  // a whole sequence writes its output; a range leaves its part to merge
-      attend_range<D, T>(q_scaled.data(), kp, vp, table, len, s, g, wide, scores,
-                         whole ? op + (b * s.num_heads + g * s.per_kv) * D : part_out.data() + work * s.per_kv * D,
-                         whole ? nullptr : part_max.data() + work * s.per_kv,
-                         whole ? nullptr : part_sum.data() + work * s.per_kv);
+      const int64_t r = unit / head_groups, b = r / splits, part = r % splits;
+      const int32_t* table = tables + b * s.max_blocks + part * range_len / s.block_size;
+      const int64_t g0 = unit % head_groups * unit_heads;
+      for (int64_t g = g0; g < g0 + unit_heads; ++g) {
+        const int64_t work = (b * s.kv_heads + g) * splits + part;
+        const float* qg = qp + b * q_row + g * s.per_kv * D;
+        for (int64_t i = 0; i < s.per_kv * D; ++i) q_scaled[i] = qg[i] * scale;
+        const bool whole = splits == 1;  // a whole sequence writes its output; a range leaves its part to merge
+        attend_range<D, T>(q_scaled.data(), kp, vp, table, len, s, g, wide, scores,
+                           whole ? op + (b * s.num_heads + g * s.per_kv) * D : part_out.data() + work * s.per_kv * D,
+                           whole ? nullptr : part_max.data() + work * s.per_kv,
+                           whole ? nullptr : part_sum.data() + work * s.per_kv);
+      }
     }
   });
   if (splits == 1) return;

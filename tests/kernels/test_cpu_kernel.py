@@ -63,6 +63,32 @@ def test_a_small_batch_splits_its_tokens_across_threads(seq_lens: list[int], gqa
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_threads_take_the_longest_sequences_first_with_the_same_bits(cache_dtype: torch.dtype) -> None:
+    """A batch whose long sequences sit together (old chats first) is shared out longest first, a sequence at a
+    time: each sequence's output is computed whole by one thread, so 1, 2 and 3 threads give the same bits."""
+    seq_lens = [700, 650, 600, 33, 40, 17, 90, 1, 16, 64]
+    num_blocks = len(seq_lens) * cdiv(max(seq_lens), 16) + 4
+    kc, vc = make_cache(num_blocks, 16, 3, 64, torch.float32)
+    tolerance = 1e-4
+    if cache_dtype == torch.int8:  # the reference attends over the dequantized rows
+        kc, vc = kv_quant.quantize_rows(kc), kv_quant.quantize_rows(vc)
+        tolerance = 1e-3  # what the 512-bit scores' int16 queries may move an output
+    tables = shuffled_tables(seq_lens, 16, num_blocks)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), 9, 64)
+    widened = [kv_quant.dequantize_rows(c) if cache_dtype == torch.int8 else c for c in (kc, vc)]
+    expected = paged_decode_attention_ref(q, *widened, tables, lens, scale=0.125)
+    for isa in cpu_kernel.instruction_sets():
+        with cpu_kernel.instruction_set(isa):
+            outs = []
+            for n in (1, 2, 3):
+                with torch_threads(n):
+                    outs.append(cpu_kernel.paged_decode_attention(q, kc, vc, tables, lens, scale=0.125))
+        assert all(torch.equal(out, outs[0]) for out in outs), isa
+        assert (outs[0] - expected).abs().max().item() < tolerance, isa
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
 def test_queries_read_in_place_from_fused_qkv_rows(cache_dtype: torch.dtype) -> None:
     """The compiled layer stack passes Q as a view of each token's QKV row (rows H + 2 KVH heads apart): the same
     output, bit for bit, as from a contiguous copy; a view whose heads are not one run is refused."""
