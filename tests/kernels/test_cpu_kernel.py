@@ -72,7 +72,7 @@ def test_threads_take_the_longest_sequences_first_with_the_same_bits(cache_dtype
     tolerance = 1e-4
     if cache_dtype == torch.int8:  # the reference attends over the dequantized rows
         kc, vc = kv_quant.quantize_rows(kc), kv_quant.quantize_rows(vc)
-        tolerance = 1e-3  # what the 512-bit scores' int16 queries may move an output
+        tolerance = 1e-3  # what the integer scores' int16 queries may move an output
     tables = shuffled_tables(seq_lens, 16, num_blocks)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q = torch.randn(len(seq_lens), 9, 64)

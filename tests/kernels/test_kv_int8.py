@@ -20,7 +20,7 @@ from tests.threads import torch_threads
 
 GQA = {1: (4, 4), 3: (9, 3), 8: (8, 1)}  # ratio -> (num_heads, num_kv_heads)
 CASES = list(itertools.product(GQA, cpu_kernel.HEAD_DIMS, [16, 32]))
-QUERY_ROUNDING = 1e-3  # the most the int16 queries of the 512-bit scores may move an output (of ~1) here
+QUERY_ROUNDING = 1e-3  # the most the integer scores' int16 queries may move an output (of ~1) here
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,8 +82,9 @@ def test_decode_equals_attention_over_the_dequantized_cache(gqa: int, head_dim: 
     for isa in cpu_kernel.instruction_sets():
         with cpu_kernel.instruction_set(isa):
             got = cpu_kernel.paged_decode_attention(q, kc, vc, tables, lens, scale=scale)
-        # The 512-bit scores round each query head to 15 bits (vpdpwssd): up to ~5e-4 here (head size 256,
-        # queries x3), against ~1e-7 without; quantizing K and V itself costs ~1e-2 (the test below)
+        # The integer scores (head sizes of a multiple of 32) round each query head to 15 bits (vpdpwssd on 512-bit
+        # loops, vpmaddwd on 256-bit ones): up to ~5e-4 here (head size 256, queries x3), against ~1e-7 without;
+        # quantizing K and V itself costs ~1e-2 (the test below)
         assert (got.double() - expected).abs().max().item() < QUERY_ROUNDING, isa
 
 
