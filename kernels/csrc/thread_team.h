@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/FunctionRef.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace tandem_cpu {
@@ -110,6 +112,19 @@ void prefetched_parallel_for(int64_t begin, int64_t end, int64_t grain, const F&
   if (begin >= end) return;
   if (end - begin > grain && detail::team_parallel_for(begin, end, grain, f, true)) return;
   at::parallel_for(begin, end, grain, f);
+}
+
+// [begin, end) in chunks of `chunk` that the threads take from a shared counter as each finishes its last: for
+// loops of even work a unit whose threads do not keep even pace (a prefill's matrices: split in halves, the leader
+// waited on the worker for ~6% of its time). For loops whose output does not depend on where the range is cut.
+template <typename F>
+void shared_parallel_for(int64_t begin, int64_t end, int64_t chunk, const F& f) {
+  if (begin >= end) return;
+  const int64_t chunks = (end - begin + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  parallel_for(0, std::min(num_threads(), chunks), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next++; c < chunks; c = next++) f(begin + c * chunk, std::min(end, begin + (c + 1) * chunk));
+  });
 }
 
 }  // namespace tandem_cpu

@@ -95,22 +95,24 @@ def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
     a row's output must not depend on the machine's instruction set (nor on the row tile, 4 or 8, nor on
     whether its group was paired for 512-bit vectors, nor on whether a pair was unpacked once for all tiles)."""
     w, _ = random_weight(fmt, 72, 192, seed=3)  # 9 groups of 8: pairs for 512-bit vectors, and one left
-    x = torch.randn(45, 192, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(130, 192, generator=torch.Generator().manual_seed(3))
     x[:, 5] *= 40
     outputs = {}
+    row_counts = (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 21, 33, 45, 64, 130)
     for isa in cpu_kernel.instruction_sets():
         with cpu_kernel.instruction_set(isa):  # from 33 rows the 512-bit path unpacks each pair once
-            outputs[isa] = {m: quant_linear.linear(x[:m], w) for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 21, 33, 45)}
+            outputs[isa] = {m: quant_linear.linear(x[:m], w) for m in row_counts}
     assert "avx2" in outputs
     for isa, by_rows in outputs.items():
         for m, y in by_rows.items():
             assert torch.equal(y, outputs["avx2"][m]), (isa, m)
-            assert torch.equal(y, outputs["avx2"][45][:m]), (isa, m)  # a row's output is its own
-    # Nor on where the threads cut the groups: 1 thread takes all 9; 2 and 3 threads cut at groups 5 and
-    # 3 and 6, inside pairs (x8p stores groups two by two, so a cut there leaves a group without its partner).
+            assert torch.equal(y, outputs["avx2"][130][:m]), (isa, m)  # a row's output is its own
+    # Nor on where the threads cut the groups: 1 thread takes all 9; below 64 rows 2 and 3 threads cut at groups 5
+    # and 3 and 6, inside pairs (x8p stores groups two by two, so a cut there leaves a group without its partner);
+    # from 64 rows (a prompt's) they take 4 groups at a time from a shared counter, in whatever order they finish.
     for n in (1, 3):
         with torch_threads(n):
-            for m in (1, 8, 45):
+            for m in (1, 8, 45, 64, 130):
                 assert torch.equal(quant_linear.linear(x[:m], w), outputs["avx2"][m]), (n, m)
 
 
