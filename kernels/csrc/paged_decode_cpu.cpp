@@ -4,9 +4,9 @@
 // so every K and V row of the sequence is read from memory once (the torch path copies K out of the
 // cache before scoring it, and its V pass reads each row once per query head). Scores are kept in
 // fp32 and softmaxed with the row max subtracted; items run on the step's thread team (else ATen's
-// intra-op pool), each thread taking the longest left next. The loops over tokens (paged_decode_loops.h) are built for
-// 256-bit and 512-bit vectors and follow the kernels' instruction set (cpu_isa.cpp); the softmax is
-// written with ATen's own vector types (at::vec), as PyTorch's CPU attention kernels are.
+// intra-op pool), each thread taking the longest left next. The loops over tokens (paged_decode_loops.h)
+// are built for 256-bit and 512-bit vectors and follow the kernels' instruction set (cpu_isa.cpp); the
+// softmax is written with ATen's own vector types (at::vec), as PyTorch's CPU attention kernels are.
 //
 //   q [B, H, D] fp32 (its rows may lie apart: a view of QKV), k_cache/v_cache [num_blocks, block_size, KVH, D]
 //   fp32 or fp16, block_tables [B, M] int32, seq_lens [B] int32, scale  ->  out [B, H, D] fp32
@@ -199,7 +199,8 @@ void score_int8(const float* q_scaled, const int8_t* k_cache, const int32_t* tab
       for (int64_t j = 0; j < s.per_kv; ++j) {
         const __m256i* qj = reinterpret_cast<const __m256i*>(rounded[j]);
         __m256i acc = _mm256_madd_epi16(kv[0], _mm256_load_si256(qj));
-        for (int64_t c = 1; c < kChunks; ++c) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(kv[c], _mm256_load_si256(qj + c)));
+        for (int64_t c = 1; c < kChunks; ++c)
+          acc = _mm256_add_epi32(acc, _mm256_madd_epi16(kv[c], _mm256_load_si256(qj + c)));
         partial[j][i] = acc;
       }
     }

@@ -115,8 +115,8 @@ void prefetched_parallel_for(int64_t begin, int64_t end, int64_t grain, const F&
 }
 
 // [begin, end) in chunks of `chunk` that the threads take from a shared counter as each finishes its last: for
-// loops of even work a unit whose threads do not keep even pace (a prefill's matrices: split in halves, the leader
-// waited on the worker for ~6% of its time). For loops whose output does not depend on where the range is cut.
+// loops whose units cost alike but whose threads do not keep pace (a prefill's matrices: cut in halves, the
+// leader waited on the worker for ~6% of its time). For loops whose output does not depend on where the range is cut.
 template <typename F>
 void shared_parallel_for(int64_t begin, int64_t end, int64_t chunk, const F& f) {
   if (begin >= end) return;
