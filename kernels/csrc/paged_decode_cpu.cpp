@@ -187,11 +187,7 @@ void score_int8(const float* q_scaled, const int8_t* k_cache, const int32_t* tab
   alignas(32) float k_scale[8] = {};
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - t0);
-    int64_t block = t0 / s.block_size, offset = t0 % s.block_size;
-    for (int64_t i = 0; i < n; ++i) {
-      if (offset == 0) fetch.reached(false, block);
-      const int8_t* k = k_cache + (table[block] * s.block_size + offset) * s.row_stride + g * s.head_stride;
-      if (++offset == s.block_size) offset = 0, ++block;
+    each_key_row(k_cache, table, t0, n, s, g, fetch, [&](int64_t i, const int8_t* k) {
       k_scale[i] = row_scale<D>(k);
       __m256i kv[kChunks];
       for (int64_t c = 0; c < kChunks; ++c)
@@ -203,7 +199,7 @@ void score_int8(const float* q_scaled, const int8_t* k_cache, const int32_t* tab
           acc = _mm256_add_epi32(acc, _mm256_madd_epi16(kv[c], _mm256_load_si256(qj + c)));
         partial[j][i] = acc;
       }
-    }
+    });
     for (int64_t j = 0; j < s.per_kv; ++j) {
       for (int64_t i = n; i < 8; ++i) partial[j][i] = _mm256_setzero_si256();
       const __m256 scales = _mm256_mul_ps(_mm256_load_ps(k_scale), _mm256_set1_ps(q_scale[j]));
@@ -278,11 +274,7 @@ void score_int8(const float* q_scaled, const int8_t* k_cache, const int32_t* tab
   alignas(32) float k_scale[8] = {};
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - t0);
-    int64_t block = t0 / s.block_size, offset = t0 % s.block_size;
-    for (int64_t i = 0; i < n; ++i) {
-      if (offset == 0) fetch.reached(false, block);
-      const int8_t* k = k_cache + (table[block] * s.block_size + offset) * s.row_stride + g * s.head_stride;
-      if (++offset == s.block_size) offset = 0, ++block;
+    each_key_row(k_cache, table, t0, n, s, g, fetch, [&](int64_t i, const int8_t* k) {
       k_scale[i] = row_scale<D>(k);
       __m512i kv[kChunks];
       for (int64_t c = 0; c < kChunks; ++c)
@@ -292,7 +284,7 @@ void score_int8(const float* q_scaled, const int8_t* k_cache, const int32_t* tab
         for (int64_t c = 1; c < kChunks; ++c) acc = _mm512_dpwssd_epi32(acc, kv[c], q16[j][c]);
         partial[j][i] = fold(_mm512_cvtepi32_ps(acc));
       }
-    }
+    });
     for (int64_t j = 0; j < s.per_kv; ++j) {
       for (int64_t i = n; i < 8; ++i) partial[j][i] = _mm256_setzero_ps();
       const __m256 scales = _mm256_mul_ps(_mm256_load_ps(k_scale), _mm256_set1_ps(q_scale[j]));

@@ -5,6 +5,20 @@
 // store / fold (R -> 8 partial sums in a __m256).
 // T is the cache's element: float, at::Half, or int8_t (each head row D values and its fp32 scale, row_scale).
 
+// The K rows of one KV head g for tokens t0 .. t0 + n - 1, in order: row(i, k), k at token t0 + i's row. Every
+// score loop walks a sequence's blocks this way, and tells the fetcher of each block it enters.
+template <typename T, typename F>
+__attribute__((always_inline)) inline void each_key_row(const T* k_cache, const int32_t* table, int64_t t0, int64_t n,
+                                                        const Shape& s, int64_t g, const BlockFetcher<T>& fetch,
+                                                        const F& row) {
+  int64_t block = t0 / s.block_size, offset = t0 % s.block_size;
+  for (int64_t i = 0; i < n; ++i) {
+    if (offset == 0) fetch.reached(false, block);
+    row(i, k_cache + (table[block] * s.block_size + offset) * s.row_stride + g * s.head_stride);
+    if (++offset == s.block_size) offset = 0, ++block;
+  }
+}
+
 // Scores of one (sequence, KV head): q_j . k_t * scale for every query head j of the group, token t. Tokens
 // go 8 at a time: each (token, head) leaves 8 partial sums, and 8 tokens' reduce together (sum8).
 template <int64_t D, typename T>
@@ -15,11 +29,7 @@ void score(const float* q_scaled, const T* k_cache, const int32_t* table, int64_
   alignas(32) float k_scale[8] = {};  // int8 rows: the 8 tokens' scales, applied to their 8 sums at once
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - t0);
-    int64_t block = t0 / s.block_size, offset = t0 % s.block_size;
-    for (int64_t i = 0; i < n; ++i) {
-      if (offset == 0) fetch.reached(false, block);
-      const T* k = k_cache + (table[block] * s.block_size + offset) * s.row_stride + g * s.head_stride;
-      if (++offset == s.block_size) offset = 0, ++block;
+    each_key_row(k_cache, table, t0, n, s, g, fetch, [&](int64_t i, const T* k) {
       if constexpr (std::is_same_v<T, int8_t>) k_scale[i] = row_scale<D>(k);
       R kv[kChunks];
       for (int64_t c = 0; c < kChunks; ++c) kv[c] = load(k + c * kW);
@@ -36,7 +46,7 @@ void score(const float* q_scaled, const T* k_cache, const int32_t* table, int64_
         }
         partial[j][i] = fold(a0);
       }
-    }
+    });
     for (int64_t j = 0; j < s.per_kv; ++j) {
       for (int64_t i = n; i < 8; ++i) partial[j][i] = _mm256_setzero_ps();
       __m256 sums = sum8(partial[j]);
