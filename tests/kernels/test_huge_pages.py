@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from kernels.huge_pages import ALIGN, HUGE_PAGE, huge_page_copies, transparent_huge_pages
+from kernels.huge_pages import ALIGN, HUGE_PAGE, huge_page_copies, huge_page_zeros, transparent_huge_pages
 
 
 def sample_tensors() -> list[torch.Tensor]:
@@ -61,3 +61,25 @@ def test_the_default_model_streams_its_blocks_from_the_huge_page_mapping(quantiz
     total = sum(d.numel() for d in data)
     assert starts[-1] - starts[0] < total, "not one packed mapping"
     assert starts[0] % HUGE_PAGE == 0
+
+
+def test_zeros_are_zeros_of_the_shape_and_writable() -> None:
+    kv = huge_page_zeros((2, 3, 5, 16, 3, 68), torch.int8)
+    assert kv.shape == (2, 3, 5, 16, 3, 68) and kv.dtype == torch.int8 and kv.is_contiguous()
+    assert not kv.any()
+    assert kv.data_ptr() % HUGE_PAGE == 0
+    kv[1, 2].fill_(7)
+    assert int(kv.sum()) == 7 * kv[1, 2].numel()
+    floats = huge_page_zeros((4, 6), torch.float32)
+    assert torch.equal(floats, torch.zeros(4, 6))
+
+
+def test_zeros_off_switch_gives_plain_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_HUGE_PAGES", "0")
+    kv = huge_page_zeros((3, 4), torch.float16)
+    assert torch.equal(kv, torch.zeros(3, 4, dtype=torch.float16))
+
+
+def test_the_default_model_keeps_its_kv_cache_in_huge_pages(quantized_model) -> None:
+    kv = quantized_model.new_kv_cache(8, 16)
+    assert kv.data_ptr() % HUGE_PAGE == 0 and not kv.any()

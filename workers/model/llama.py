@@ -15,7 +15,7 @@ import kernels
 from kernels import kv_quant
 from kernels.decoder_stack import DecoderStack
 from kernels.fused_ops import add_rms_norm_, rms_norm, rope_, silu_mul
-from kernels.huge_pages import huge_page_copies
+from kernels.huge_pages import huge_page_copies, huge_page_zeros
 from kernels.quant_linear import QuantizedWeight, cat_rows, interleave, linear
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.config import ModelConfig
@@ -124,8 +124,10 @@ class LlamaModel:
         others run)."""
         cfg = self.config
         dtype = dtype or self.dtype
-        return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
-                           kv_quant.head_row(dtype, cfg.head_dim), device=self.device, dtype=dtype)
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, kv_quant.head_row(dtype, cfg.head_dim))
+        if self.device.type == "cpu":  # a step reads its blocks wherever they lie: fewer TLB misses (huge_pages.py)
+            return huge_page_zeros(shape, dtype)
+        return torch.zeros(shape, device=self.device, dtype=dtype)
 
     @torch.inference_mode()
     def forward(
