@@ -53,14 +53,16 @@ def huge_page_copies(tensors: list[Tensor]) -> list[Tensor]:
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """A zeroed CPU tensor in its own mapping advised for huge pages: what torch.zeros gives, for a buffer read
     at scattered places, as the paged KV cache is (each block a step visits was another 4 KB page, another TLB
-    miss). The pages are committed as they are first touched, not at once."""
+    miss)."""
     numel = 1
     for n in shape:
         numel *= n
     size = numel * torch.empty(0, dtype=dtype).element_size()
     if size == 0 or not _enabled():
         return torch.zeros(shape, dtype=dtype)
-    return _advised_bytes(size).view(dtype).view(shape)  # an anonymous mapping reads as zeros
+    zeros = _advised_bytes(size).view(dtype).view(shape)
+    # Written now, as torch.zeros writes: every page is taken (or refused) at start, not at a step mid-run.
+    return zeros.zero_()
 
 
 def _enabled() -> bool:
