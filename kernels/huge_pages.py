@@ -19,6 +19,7 @@ are plain memory: the same values, read as before. ``TANDEM_HUGE_PAGES=0`` makes
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from pathlib import Path
@@ -54,10 +55,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """A zeroed CPU tensor in its own mapping advised for huge pages: what torch.zeros gives, for a buffer read
     at scattered places, as the paged KV cache is (each block a step visits was another 4 KB page, another TLB
     miss)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    size = numel * torch.empty(0, dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     if size == 0 or not _enabled():
         return torch.zeros(shape, dtype=dtype)
     zeros = _advised_bytes(size).view(dtype).view(shape)

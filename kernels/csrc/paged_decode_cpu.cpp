@@ -93,7 +93,7 @@ float softmax_numerators(float* x, int64_t len, float* max_out) {
 // What a work item's fetcher brings in ahead of its loops (the blocks of a sequence lie anywhere in the cache, so
 // the hardware prefetcher cannot run ahead across them).
 enum class Reach {
-  kHead,     // its own head's rows of each block (a unit of one KV head)
+  kHead,     // its own head's rows of each block (a unit of one KV head; every unit on the 512-bit path)
   kBlock,    // each block whole, every KV head's rows: one run of bytes (the first head of a unit that takes all)
   kNothing,  // a later head of such a unit: its rows came with the first head's
 };
