@@ -6,7 +6,8 @@ over an fp16 cache (``kv_cache_dtype: float16``) and an int8 one (the default un
 The bundled model's shape (30 layers, 9 query heads on 3 KV heads of 64), a step's 30 calls timed together,
 median of --repeats, two rounds (the second kept). Three layouts of each sequence's blocks: sequential and
 shuffled in a 30-layer cache (read from memory, as in a step), and one layer's blocks shared by every sequence
-(in cache: the kernel's arithmetic alone). Printed side by side for every instruction set the kernels run here
+(in cache: the kernel's arithmetic alone). The caches lie in huge pages, as a worker's does
+(``TANDEM_HUGE_PAGES=0``: 4 KB pages). Printed side by side for every instruction set the kernels run here
 (``torch.ops.tandem_cpu.set_isa``: 256-bit loops, 512-bit ones from "avx512_vnni").
 """
 
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels import cpu_kernel, kv_quant  # noqa: E402
+from kernels.huge_pages import huge_page_copies  # noqa: E402
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM, HEADS = 30, 16, 3, 64, 9
 
@@ -52,7 +54,7 @@ def main() -> None:
     batch = args.batch
     blocks = max(batch * -(-max(contexts) // BLOCK), 64)
     values = torch.randn(LAYERS, 2, blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    caches = {"fp16": values.half(), "int8": kv_quant.quantize_rows(values)}
+    caches = dict(zip(("fp16", "int8"), huge_page_copies([values.half(), kv_quant.quantize_rows(values)]), strict=True))
     del values
     q = torch.randn(batch, HEADS, HEAD_DIM)
     gen = torch.Generator().manual_seed(0)
