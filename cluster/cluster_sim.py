@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from router.slo_window import SLOTargets
+from workers.engine.config import default_step_tokens
 from workers.protocol.timing_profile import TimingProfile
 
 
@@ -34,7 +35,7 @@ class SimSpec:
     num_requests: int = 600
     input_jitter: float = 0.0  # uniform +- share of input_len (loadgen's uniform:LO:HI)
     seed: int = 0
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: the engine's default on the profile's device
     # Observed / profiled time of prompt and decode work where the engine serves (the corrections a running
     # cluster's autoscaler reports: Ray, the router and the client on the same cores cost time too).
     prefill_scale: float = 1.0
@@ -125,7 +126,8 @@ def simulate(profile: TimingProfile, spec: SimSpec, prefill: int, decode: int,
     prefills = [_Worker() for _ in range(prefill)]
     decodes = [_Worker() for _ in range(decode)]
     chunk = profile.prefill_chunk_size or 1 << 30
-    budget = spec.max_num_batched_tokens
+    budget = (spec.max_num_batched_tokens if spec.max_num_batched_tokens is not None
+              else default_step_tokens(profile.device_type))
     kv_capacity = profile.kv_tokens_per_worker
     requests = []
     for arrival, prompt, output in trace if trace is not None else _poisson(spec, rng):

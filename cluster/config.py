@@ -54,7 +54,10 @@ class EngineSection(_Strict):
     # Past either bound a new request is shed with 429 + Retry-After (the queue waits for KV and a slot).
     max_queue_len: int = Field(default=256, ge=0)
     max_queue_time_s: float = Field(default=30.0, gt=0)
-    max_num_batched_tokens: int = Field(default=8192, ge=16)
+    # Tokens one step computes at most (decodes + prompt chunks); None: 1,024 on CPU (a step near a second on two
+    # cores: a burst of prompts is prefilled first come first served, not in one step of several seconds that
+    # stalls every stream), 8,192 on CUDA.
+    max_num_batched_tokens: int | None = Field(default=None, ge=16)
     prefill_chunk_size: int | None = Field(default=512, ge=16)
     enable_prefix_caching: bool = True
     # Decode steps replayed from CUDA graphs at padded batch sizes up to max_num_seqs; null: on where the

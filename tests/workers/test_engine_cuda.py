@@ -77,6 +77,7 @@ def test_bf16_logits_track_fp32_hf(model_dir, hf_model, prompts):
     """The production dtype: bf16 prefill logits stay close to HF's fp32 ones and agree on the argmax."""
     engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64))
     assert engine.model.dtype == torch.bfloat16 and engine.model.device.type == "cuda"
+    assert engine.scheduler.token_budget == 8192  # the CUDA default (a CPU engine's is 1,024)
     ids = prompts[4]  # 700 tokens
     with torch.inference_mode():
         expected = hf_model(torch.tensor([ids], device="cuda")).logits[0].float()

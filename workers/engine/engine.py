@@ -21,7 +21,7 @@ from kernels import kv_quant
 from kernels.host_math import cdiv
 from workers.engine import kv_sizing
 from workers.engine.block_pool import BlockPool
-from workers.engine.config import EngineConfig
+from workers.engine.config import EngineConfig, default_step_tokens
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.kv_sizing import kv_cache_size
@@ -128,7 +128,11 @@ class Engine:
         self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool)
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else mcfg.eos_token_id
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, eos)
+        budget = config.max_num_batched_tokens
+        if budget is None:  # a timing model steps as the profiled machine would
+            profile = config.timing_profile
+            budget = default_step_tokens(profile.device_type if profile is not None else model.device.type)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, eos, budget)
         graph_batch = config.max_num_seqs if resolve_cuda_graphs(config, model, backend) else None
         self.runner = ModelRunner(model, num_blocks, config.block_size, backend, config.seed, eos, kv_dtype,
                                   cuda_graph_batch=graph_batch, max_model_len=self.max_model_len)

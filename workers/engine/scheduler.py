@@ -77,8 +77,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int, eos_token_id: int | None):
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int, eos_token_id: int | None,
+                 token_budget: int):
         self.config = config
+        self.token_budget = token_budget  # tokens a step computes at most (config.max_num_batched_tokens resolved)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
@@ -157,7 +159,7 @@ class Scheduler:
         out = SchedulerOutput()
         if self.config.max_queue_time_s is not None and self.waiting:
             self._shed_overdue(out, self.config.max_queue_time_s, time.monotonic())
-        limit = self.config.max_num_batched_tokens
+        limit = self.token_budget
         decodes_first = sorted(self.running, key=lambda r: len(r.token_ids) - r.num_computed_tokens != 1)
         num_scheduled = 0  # tokens in out.chunks, kept as they are added (summing them per request was n^2)
         for request in decodes_first:

@@ -89,6 +89,11 @@ class TimingProfile(_Strict):
     transfer_backend: str = "tcp"
     seconds_to_measure: float = 0.0
 
+    @property
+    def device_type(self) -> str:
+        """The measured machine's ``torch.device`` type: the first word of ``device`` (``cpu``, ``cuda``)."""
+        return self.device.split(":", 1)[0].strip()
+
     @classmethod
     def load(cls, path: str | Path) -> TimingProfile:
         try:
