@@ -12,7 +12,10 @@ from workers.protocol.timing_profile import TimingProfile
 # second: prompts finish first come first served, decodes run between the chunks. Served closed loop on 2 cores
 # (12 clients, prompts 200-500 tokens; 2026-11-27): the burst's first tokens 6.5 s each against 1.6-5.9 s in
 # turn, a stream's longest stall 6.1 s against 1.2 s, 81% within TTFT 2 s / TPOT 100 ms against 77%, the same
-# tokens/s; Poisson arrivals at 1 req/s alike either way. A GPU prefills 8,192 tokens in tens of ms.
+# tokens/s; Poisson arrivals at 1 req/s alike either way. In one process (tests/bench/bench_step_budget.py) the
+# burst also drains sooner (4.3 against 5.1 s: a step of ~4,200 prompt tokens runs slower a token). 512 serves a
+# burst a little sooner still, but costs closed-loop tokens/s (175-186 against 182-199) for its extra steps. A GPU
+# prefills 8,192 tokens in tens of ms.
 DEFAULT_STEP_TOKENS = {"cpu": 1024, "cuda": 8192}
 
 
