@@ -20,7 +20,7 @@ import ray
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.protocol.messages import GenerateRequest, PrefillRequest, TokenChunk, pack, unpack
+from workers.protocol.messages import GenerateRequest, PrefillRequest, TokenChunk, pack, pack_list, unpack
 from workers.resources import WorkerResources
 from workers.service.base import EngineService
 from workers.service.decode import DecodeService
@@ -106,12 +106,34 @@ class DecodeWorker(_WorkerBase):
     async def generate(self, data: bytes) -> AsyncIterator[bytes]:
         try:
             request = unpack(GenerateRequest, data)
-        except (ValueError, TypeError) as e:  # a message this worker cannot read (version skew): say why
-            yield pack(TokenChunk("", finished=True, finish_reason="error", error=f"bad request message: {e}",
-                                  error_kind="invalid_request"))
+        except (ValueError, TypeError) as e:
+            yield pack(_bad_message(e))
             return
         async for chunk in self.service.generate(request):
             yield pack(chunk)
+
+    # A router's requests on one stream (output_channel.py): subscribe once, then start / cancel each request.
+    async def subscribe(self, channel_id: str) -> AsyncIterator[bytes]:
+        async for batch in self.service.subscribe(channel_id):
+            yield pack_list(batch)
+
+    async def start(self, channel_id: str, data: bytes) -> bytes | None:
+        """Start a request on a subscribed channel: None, or the chunk that ends it at once (a bad message)."""
+        try:
+            request = unpack(GenerateRequest, data)
+        except (ValueError, TypeError) as e:
+            return pack(_bad_message(e))
+        self.service.start_on(channel_id, request)
+        return None
+
+    async def cancel_request(self, channel_id: str, request_id: str) -> bool:
+        return self.service.cancel_on(channel_id, request_id)
+
+
+def _bad_message(error: Exception) -> TokenChunk:
+    """A message this worker cannot read (version skew): say why."""
+    return TokenChunk("", finished=True, finish_reason="error", error=f"bad request message: {error}",
+                      error_kind="invalid_request")
 
 
 # Every thread of a worker process but the engine's runs torch on one thread. libgomp spins between parallel

@@ -254,6 +254,50 @@ def test_transfer_to_a_dead_or_silent_decode_worker_fails_in_time(tcp_cluster, m
     wait_until(lambda: used_blocks(prefill) == [0])
 
 
+def test_a_routers_requests_share_one_output_stream_a_decode_worker(tcp_cluster, expected, make_engine):
+    """RayWorkerClient (what routers use): a decode worker's chunks for this router come on one Ray stream, a
+    batch a step, not an item a token. Outputs equal the single engine's; closing a request's stream early
+    cancels it on the worker; forgetting the worker (it left the registry) cancels what it still runs for us."""
+    from router.worker_client import RayWorkerClient, WorkerUnreachable
+
+    _, (d0, _) = tcp_cluster
+    prompts, outputs = expected
+    tokenizer = make_engine().tokenizer
+    long_prompt = tokenizer.encode(text_of_tokens(tokenizer, 60, seed=5))
+    endless = SamplingParams(max_tokens=500, ignore_eos=True)
+    client = RayWorkerClient(NAMESPACE)
+
+    async def collect(rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> list[TokenChunk]:
+        return [c async for c in client.generate("tcp-d0", GenerateRequest(rid, prompt, params))]
+
+    async def run() -> tuple[list[list[TokenChunk]], int, int]:
+        results = await asyncio.gather(*(collect(f"mux-{i}", p) for i, p in enumerate(prompts)))
+        batches = client._outputs["tcp-d0"].num_batches
+        steps_before = sample_value(d0, "tandem_step_seconds_count", phase="decode")
+        stream = client.generate("tcp-d0", GenerateRequest("mux-closed", long_prompt, endless))
+        for _ in range(3):
+            await anext(stream)
+        await stream.aclose()
+        await asyncio.to_thread(wait_until, lambda: used_blocks(d0) == [0])
+        steps = sample_value(d0, "tandem_step_seconds_count", phase="decode") - steps_before
+        stream = client.generate("tcp-d0", GenerateRequest("mux-forgotten", long_prompt, endless))
+        await anext(stream)
+        client.forget(["tcp-d0"])
+        with pytest.raises(WorkerUnreachable, match="closed its output stream"):
+            async for _ in stream:
+                pass
+        await asyncio.to_thread(wait_until, lambda: used_blocks(d0) == [0])
+        return results, batches, steps
+
+    results, batches, steps = asyncio.run(run())
+    for i, (chunks, want) in enumerate(zip(results, outputs, strict=True)):
+        assert chunks[-1].error is None, chunks[-1].error
+        assert [t for c in chunks for t in c.token_ids] == want, f"prompt {i}"
+    tokens = sum(len(c.token_ids) for chunks in results for c in chunks)
+    assert batches < tokens / 2, (batches, tokens)
+    assert steps < 100  # cancelled, not run to its 500 tokens
+
+
 def test_router_over_ray_workers_with_the_openai_client(tcp_cluster, redis_url, make_engine):
     """The whole path: openai client -> router (HTTP) -> decode actor -> prefill actor, found through Redis."""
     import httpx

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -31,6 +32,15 @@ def pack(message: Any) -> bytes:
 
 def unpack(cls: type[M], data: bytes) -> M:
     return _build(cls, msgpack.unpackb(data, raw=False))
+
+
+def pack_list(messages: Sequence[Any]) -> bytes:
+    """Several messages in one msgpack array (a decode step's chunks for one router)."""
+    return msgpack.packb([dataclasses.asdict(m) for m in messages], use_bin_type=True)
+
+
+def unpack_list(cls: type[M], data: bytes) -> list[M]:
+    return [_build(cls, fields) for fields in msgpack.unpackb(data, raw=False)]
 
 
 def _build(cls: type[M], fields: dict[str, Any]) -> M:

@@ -27,6 +27,7 @@ from workers.engine.scheduler import KVReservation
 from workers.protocol.errors import WorkerStopped, error_kind
 from workers.protocol.messages import GenerateRequest, PrefillRequest, PrefillResult, TokenChunk
 from workers.service.base import EngineService
+from workers.service.output_channel import ChannelClosed, OutputChannel
 from workers.service.publisher import PublishConfig
 from workers.transport.base import KVTransport
 
@@ -68,6 +69,7 @@ class DecodeService(EngineService):
         self.transfer_timeout_s = transfer_timeout_s
         self._streams: dict[str, _Stream] = {}
         self._cleanups: set[asyncio.Future[None]] = set()
+        self._channels: dict[str, OutputChannel] = {}
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """Stream the request's chunks; the last has ``finished`` set (an error chunk included)."""
@@ -92,6 +94,33 @@ class DecodeService(EngineService):
             self._streams.pop(rid, None)
             if not stream.finished:
                 await self._abandon(request, stream)
+
+    # ---- output channels (output_channel.py): a router's requests on one stream, a batch a step ----
+    async def subscribe(self, channel_id: str) -> AsyncGenerator[list[TokenChunk], None]:
+        """The chunks of every request started on this channel: [] once attached, then a batch at each
+        wake-up. Closing it (the consumer left) cancels those requests."""
+        if channel_id in self._channels:
+            raise ValueError(f"output channel {channel_id!r} is already subscribed")
+        channel = self._channels[channel_id] = OutputChannel()
+        try:
+            async for batch in channel.batches():
+                yield batch
+        finally:
+            self._channels.pop(channel_id, None)
+            channel.close()
+
+    def start_on(self, channel_id: str, request: GenerateRequest) -> None:
+        """Run a request whose chunks go to a subscribed channel."""
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            raise ChannelClosed(f"no output channel {channel_id!r} on worker {self.worker_id} (never subscribed, "
+                                "or its consumer has gone)")
+        channel.start(request.request_id, self.generate(request))
+
+    def cancel_on(self, channel_id: str, request_id: str) -> bool:
+        """The consumer no longer wants a request started on its channel: abort it, freeing what it holds."""
+        channel = self._channels.get(channel_id)
+        return channel is not None and channel.cancel(request_id)
 
     def _refusal(self, request_id: str) -> Exception | None:
         if request_id in self._streams:

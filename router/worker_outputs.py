@@ -1,0 +1,98 @@
+"""One decode worker's output stream to this router (workers/service/output_channel.py): every request this router
+runs there sends its chunks on it, a batch a decode step, and here they are handed to each request's stream.
+
+    outputs = WorkerOutputs(actor, "decode-0")          # subscribes (one Ray streaming call for the router's life)
+    async for chunk in outputs.stream(request): ...     # closing it early cancels the request on the worker
+    outputs.close()                                     # the worker left: its requests there are cancelled
+
+One Ray object a decode step for all of this router's requests on the worker, where a stream a request took one a
+token (~0.5 ms of the router's CPU each, and as much of the worker's). If the stream breaks (the worker died),
+every request on it ends with ``OutputStreamLost``; the next request subscribes afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from workers.protocol.messages import GenerateRequest, TokenChunk, pack, unpack, unpack_list
+
+
+class OutputStreamLost(Exception):
+    """The worker's output stream to this router ended or broke (``__cause__`` says how)."""
+
+
+class WorkerOutputs:
+    def __init__(self, actor: Any, worker_id: str) -> None:
+        self.actor = actor
+        self.worker_id = worker_id
+        self.channel_id = uuid.uuid4().hex
+        self.error: BaseException | None = None  # set once the stream has ended; the object is then spent
+        self.num_batches = 0  # items received (a decode step's chunks each)
+        self.loop = asyncio.get_running_loop()  # the reader and every request's queue live on this loop
+        self._queues: dict[str, asyncio.Queue[TokenChunk | BaseException]] = {}
+        self._attached: asyncio.Future[None] = self.loop.create_future()
+        self._refs = actor.subscribe.options(num_returns="streaming").remote(self.channel_id)
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
+        """The request's chunks, the last with ``finished`` set; closing early cancels it on the worker."""
+        await asyncio.shield(self._attached)  # the worker's channel exists before a request is started on it
+        rid = request.request_id
+        queue: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            ended = await self.actor.start.remote(self.channel_id, pack(request))
+            if ended is not None:
+                finished = True
+                yield unpack(TokenChunk, ended)
+                return
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise OutputStreamLost(f"decode worker {self.worker_id!r}'s output stream broke: {item}") from item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(rid, None)
+            if not finished and self.error is None:  # the consumer left: the worker frees what the request holds
+                self.actor.cancel_request.remote(self.channel_id, rid)
+
+    def close(self) -> None:
+        """Stop reading: the worker's channel closes, and every request still on it is cancelled there."""
+        import ray
+
+        if not self.loop.is_closed():  # (a test's finished asyncio.run: nothing there waits any more)
+            self._end(OutputStreamLost(f"the router closed its output stream from {self.worker_id!r}"))
+            self._reader.cancel()
+        ray.cancel(self._refs)
+
+    async def _read(self) -> None:
+        try:
+            async for ref in self._refs:
+                batch = unpack_list(TokenChunk, await ref)
+                self.num_batches += 1
+                if not self._attached.done():
+                    self._attached.set_result(None)
+                for chunk in batch:
+                    queue = self._queues.get(chunk.request_id)
+                    if queue is not None:  # else its consumer has left (a cancel is on its way)
+                        queue.put_nowait(chunk)
+            self._end(OutputStreamLost(f"decode worker {self.worker_id!r} closed its output stream"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the actor died or the call failed: every request hears why
+            self._end(e)
+
+    def _end(self, error: BaseException) -> None:
+        if self.error is not None:
+            return
+        self.error = error
+        if not self._attached.done():
+            self._attached.set_exception(error)
+            self._attached.exception()  # retrieved: no "never retrieved" warning if no request was waiting
+        for queue in self._queues.values():
+            queue.put_nowait(error)
