@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from workers.protocol.messages import GenerateRequest, TokenChunk, pack, unpack, unpack_list
+from workers.service.output_channel import RENEW_S
 
 
 class OutputStreamLost(Exception):
@@ -36,6 +37,7 @@ class WorkerOutputs:
         self._attached: asyncio.Future[None] = self.loop.create_future()
         self._refs = actor.subscribe.options(num_returns="streaming").remote(self.channel_id)
         self._reader = asyncio.ensure_future(self._read())
+        self._renewer = asyncio.ensure_future(self._renew())
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """The request's chunks, the last with ``finished`` set; closing early cancels it on the worker."""
@@ -68,6 +70,7 @@ class WorkerOutputs:
         if not self.loop.is_closed():  # (a test's finished asyncio.run: nothing there waits any more)
             self._end(OutputStreamLost(f"the router closed its output stream from {self.worker_id!r}"))
             self._reader.cancel()
+            self._renewer.cancel()
         ray.cancel(self._refs)
 
     async def _read(self) -> None:
@@ -87,10 +90,20 @@ class WorkerOutputs:
         except Exception as e:  # noqa: BLE001 - the actor died or the call failed: every request hears why
             self._end(e)
 
+    async def _renew(self) -> None:
+        """Tell the worker this router is alive: it closes a channel unheard for a while (a dead router's)."""
+        while self.error is None:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await self.actor.renew_channel.remote(self.channel_id)
+            except Exception:  # noqa: BLE001 - the reader hears of a dead actor and ends the stream
+                continue
+
     def _end(self, error: BaseException) -> None:
         if self.error is not None:
             return
         self.error = error
+        self._renewer.cancel()
         if not self._attached.done():
             self._attached.set_exception(error)
             self._attached.exception()  # retrieved: no "never retrieved" warning if no request was waiting

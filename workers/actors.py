@@ -129,6 +129,9 @@ class DecodeWorker(_WorkerBase):
     async def cancel_request(self, channel_id: str, request_id: str) -> bool:
         return self.service.cancel_on(channel_id, request_id)
 
+    async def renew_channel(self, channel_id: str) -> bool:
+        return self.service.renew_channel(channel_id)
+
 
 def _bad_message(error: Exception) -> TokenChunk:
     """A message this worker cannot read (version skew): say why."""

@@ -104,6 +104,25 @@ async def test_a_consumer_that_leaves_cancels_every_request_and_closes_the_chann
         channel.start("after", FakeStream("after", 1).chunks())
 
 
+async def test_a_channel_its_consumer_stops_renewing_closes_and_cancels_its_requests():
+    """A dead router says nothing: its channel ends ttl_s after the last renewal, and its requests with it."""
+    channel = OutputChannel(ttl_s=0.3)
+    batches = channel.batches()
+    await anext(batches)
+    stream = FakeStream("r", 100)
+    channel.start("r", stream.chunks())
+    for _ in range(12):  # 0.6 s, renewed: still open
+        await asyncio.sleep(0.05)
+        assert channel.renew()
+    assert not stream.closed
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(batches), 2)  # ends: unrenewed past 0.3 s
+    assert 0.25 < asyncio.get_running_loop().time() - t0 < 1.0
+    await drain_ready()
+    assert stream.closed and not channel.renew()
+
+
 async def test_a_failing_or_unfinished_stream_ends_with_an_error_chunk():
     channel = OutputChannel()
     batches = channel.batches()

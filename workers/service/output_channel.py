@@ -12,14 +12,18 @@ outputs to the API server a step at a time alike).
     async for batch in channel.batches(): ...           # [] first (the consumer may start requests), then chunks
     channel.cancel("r1")                               # the consumer left: the request is cancelled and freed
 
-When the consumer stops reading (``batches`` closed: the router went away or cancelled its subscription),
-every request it started is cancelled, as a closed per-request stream cancels its request.
+When the consumer stops reading (``batches`` closed: the router cancelled its subscription), every request it
+started is cancelled, as a closed per-request stream cancels its request. A router that dies says nothing (Ray
+cancels no actor call of a dead caller: its requests ran to their last token, up to max_model_len for chats
+without max_tokens), so a consumer renews its channel every few seconds, and a channel not heard from for
+``ttl_s`` closes itself, with the same effect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from workers.protocol.errors import error_kind
@@ -30,12 +34,24 @@ class ChannelClosed(Exception):
     """A request was started on a channel whose consumer has gone."""
 
 
+# A consumer renews every RENEW_S; a channel unheard for TTL_S closes (three renewals missed: a busy event loop on
+# either side delays one, not three).
+RENEW_S, TTL_S = 5.0, 15.0
+
+
 class OutputChannel:
-    def __init__(self) -> None:
+    def __init__(self, ttl_s: float = TTL_S) -> None:
         self._chunks: list[TokenChunk] = []
         self._arrived = asyncio.Event()
         self._requests: dict[str, asyncio.Task[None]] = {}
         self._closed = False
+        self.ttl_s = ttl_s
+        self._heard = time.monotonic()
+
+    def renew(self) -> bool:
+        """The consumer is alive; False if the channel has closed already."""
+        self._heard = time.monotonic()
+        return not self._closed
 
     def start(self, request_id: str, chunks: AsyncGenerator[TokenChunk, None]) -> None:
         """Relay ``chunks`` (a request's stream) into the channel until it ends or is cancelled."""
@@ -60,11 +76,16 @@ class OutputChannel:
         return len(self._requests)
 
     async def batches(self) -> AsyncIterator[list[TokenChunk]]:
-        """An empty batch first (the channel is attached), then each wake-up's chunks, in each request's order."""
+        """An empty batch first (the channel is attached), then each wake-up's chunks, in each request's order;
+        ends once the channel closes (``close``, or unrenewed for ttl_s)."""
         try:
             yield []
-            while True:
-                await self._arrived.wait()
+            while not self._closed:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.ttl_s / 3):
+                        await self._arrived.wait()
+                if time.monotonic() - self._heard > self.ttl_s:
+                    break
                 self._arrived.clear()
                 batch, self._chunks = self._chunks, []
                 if batch:
@@ -73,8 +94,9 @@ class OutputChannel:
             self.close()
 
     def close(self) -> None:
-        """No one reads the channel any more: cancel every request it carries."""
+        """No one reads the channel any more: cancel every request it carries (and end ``batches``)."""
         self._closed = True
+        self._arrived.set()
         for task in list(self._requests.values()):
             task.cancel()
 
