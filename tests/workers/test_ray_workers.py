@@ -254,16 +254,19 @@ def test_transfer_to_a_dead_or_silent_decode_worker_fails_in_time(tcp_cluster, m
     wait_until(lambda: used_blocks(prefill) == [0])
 
 
-def test_a_routers_requests_share_one_output_stream_a_decode_worker(tcp_cluster, expected, make_engine):
+def test_a_routers_requests_share_one_output_stream_a_decode_worker(tcp_cluster, make_engine):
     """RayWorkerClient (what routers use): a decode worker's chunks for this router come on one Ray stream, a
     batch a step, not an item a token. Outputs equal the single engine's; closing a request's stream early
     cancels it on the worker; forgetting the worker (it left the registry) cancels what it still runs for us."""
     from router.worker_client import RayWorkerClient, WorkerUnreachable
 
     _, (d0, _) = tcp_cluster
-    prompts, outputs = expected
-    tokenizer = make_engine().tokenizer
-    long_prompt = tokenizer.encode(text_of_tokens(tokenizer, 60, seed=5))
+    # Prompts of their own (prefilled on d0: the reference prompts' blocks there would change how the router test
+    # below routes), against one engine's greedy output.
+    engine = make_engine(dense=True)
+    prompts = [engine.tokenize(text_of_tokens(engine.tokenizer, n, seed=200 + n)) for n in (5, 60, 300, 900)]
+    outputs = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    long_prompt = engine.tokenize(text_of_tokens(engine.tokenizer, 60, seed=250))
     endless = SamplingParams(max_tokens=500, ignore_eos=True)
     client = RayWorkerClient(NAMESPACE)
 
