@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from workers.protocol.messages import GenerateRequest, TokenChunk, pack, unpack, unpack_list
-from workers.service.output_channel import RENEW_S
+from workers.service.output_channel import RENEW_S, ChannelClosed
 
 
 class OutputStreamLost(Exception):
@@ -47,7 +47,11 @@ class WorkerOutputs:
         self._queues[rid] = queue
         finished = False
         try:
-            ended = await self.actor.start.remote(self.channel_id, pack(request))
+            try:
+                ended = await self.actor.start.remote(self.channel_id, pack(request))
+            except ChannelClosed as e:  # (Ray's error is an instance of the worker's) the channel is gone there
+                self._end(e)
+                raise OutputStreamLost(f"decode worker {self.worker_id!r} closed its output stream") from e
             if ended is not None:
                 finished = True
                 yield unpack(TokenChunk, ended)

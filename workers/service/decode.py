@@ -27,7 +27,7 @@ from workers.engine.scheduler import KVReservation
 from workers.protocol.errors import WorkerStopped, error_kind
 from workers.protocol.messages import GenerateRequest, PrefillRequest, PrefillResult, TokenChunk
 from workers.service.base import EngineService
-from workers.service.output_channel import TTL_S, ChannelClosed, OutputChannel
+from workers.service.output_channel import ChannelClosed, OutputChannel
 from workers.service.publisher import PublishConfig
 from workers.transport.base import KVTransport
 
@@ -63,9 +63,8 @@ class DecodeService(EngineService):
 
     def __init__(self, engine: Engine, transport: KVTransport, worker_id: str, prefill_client: PrefillClient | None,
                  transfer_timeout_s: float = 30.0, publish: PublishConfig | None = None,
-                 engine_threads: int | None = None, channel_ttl_s: float = TTL_S):
+                 engine_threads: int | None = None):
         super().__init__(engine, transport, worker_id, publish, engine_threads)
-        self.channel_ttl_s = channel_ttl_s
         self.prefill_client = prefill_client
         self.transfer_timeout_s = transfer_timeout_s
         self._streams: dict[str, _Stream] = {}
@@ -102,7 +101,7 @@ class DecodeService(EngineService):
         wake-up. Closing it (the consumer left) cancels those requests."""
         if channel_id in self._channels:
             raise ValueError(f"output channel {channel_id!r} is already subscribed")
-        channel = self._channels[channel_id] = OutputChannel(self.channel_ttl_s)
+        channel = self._channels[channel_id] = OutputChannel()
         try:
             async for batch in channel.batches():
                 yield batch

@@ -2,7 +2,7 @@
 
 One Ray streaming item a token cost the router ~0.5 ms of CPU and the decode worker as much again (a gRPC
 report, an object in the owner's store, a callback into the router's event loop): a router process relayed at
-most ~1,700 tokens a second on two cores, a tenth of what one GPU decode worker makes. Here each request's
+most ~1,700 tokens a second on two cores, a fifteenth of what one H100 decode worker makes. Here each request's
 chunks go into its router's channel, and the channel hands out everything that arrived since its last item: one
 item a decode step for all of that router's requests (vLLM's engine core and SGLang's detokenizer batch their
 outputs to the API server a step at a time alike).
