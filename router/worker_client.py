@@ -45,8 +45,8 @@ class RayWorkerClient:
         for worker_id in worker_ids:
             self._actors.forget(worker_id)
             outputs = self._outputs.pop(worker_id, None)
-            if outputs is not None:
-                outputs.close()
+            if outputs is not None:  # a draining worker finishes the requests it has: they stream on till then
+                outputs.retire()
 
     def _outputs_of(self, decode_worker: str) -> WorkerOutputs:
         outputs = self._outputs.get(decode_worker)

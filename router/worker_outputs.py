@@ -3,7 +3,7 @@ runs there sends its chunks on it, a batch a decode step, and here they are hand
 
     outputs = WorkerOutputs(actor, "decode-0")          # subscribes (one Ray streaming call for the router's life)
     async for chunk in outputs.stream(request): ...     # closing it early cancels the request on the worker
-    outputs.close()                                     # the worker left: its requests there are cancelled
+    outputs.retire()                                    # the worker left routing: close once its last request ends
 
 One Ray object a decode step for all of this router's requests on the worker, where a stream a request took one a
 token (~0.5 ms of the router's CPU each, and as much of the worker's). If the stream breaks (the worker died),
@@ -31,6 +31,7 @@ class WorkerOutputs:
         self.worker_id = worker_id
         self.channel_id = uuid.uuid4().hex
         self.error: BaseException | None = None  # set once the stream has ended; the object is then spent
+        self.retiring = False  # no new requests: close when the last one ends (a draining worker finishes them)
         self.num_batches = 0  # items received (a decode step's chunks each)
         self.loop = asyncio.get_running_loop()  # the reader and every request's queue live on this loop
         self._queues: dict[str, asyncio.Queue[TokenChunk | BaseException]] = {}
@@ -66,6 +67,15 @@ class WorkerOutputs:
             self._queues.pop(rid, None)
             if not finished and self.error is None:  # the consumer left: the worker frees what the request holds
                 self.actor.cancel_request.remote(self.channel_id, rid)
+            if self.retiring and not self._queues:
+                self.close()
+
+    def retire(self) -> None:
+        """The worker left routing (draining, or gone): the requests still streaming from it go on to their end
+        (a drain's promise), then the stream closes; at once if none is left."""
+        self.retiring = True
+        if not self._queues:
+            self.close()
 
     def close(self) -> None:
         """Stop reading: the worker's channel closes, and every request still on it is cancelled there."""

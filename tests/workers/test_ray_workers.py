@@ -257,8 +257,9 @@ def test_transfer_to_a_dead_or_silent_decode_worker_fails_in_time(tcp_cluster, m
 def test_a_routers_requests_share_one_output_stream_a_decode_worker(tcp_cluster, make_engine):
     """RayWorkerClient (what routers use): a decode worker's chunks for this router come on one Ray stream, a
     batch a step, not an item a token. Outputs equal the single engine's; closing a request's stream early
-    cancels it on the worker; forgetting the worker (it left the registry) cancels what it still runs for us."""
-    from router.worker_client import RayWorkerClient, WorkerUnreachable
+    cancels it on the worker; a worker that leaves the registry (a drain) streams its requests to their end, and
+    then this router's channel there closes."""
+    from router.worker_client import RayWorkerClient
 
     _, (d0, _) = tcp_cluster
     # Prompts of their own (prefilled on d0: the reference prompts' blocks there would change how the router test
@@ -283,13 +284,15 @@ def test_a_routers_requests_share_one_output_stream_a_decode_worker(tcp_cluster,
         await stream.aclose()
         await asyncio.to_thread(wait_until, lambda: used_blocks(d0) == [0])
         steps = sample_value(d0, "tandem_step_seconds_count", phase="decode") - steps_before
-        stream = client.generate("tcp-d0", GenerateRequest("mux-forgotten", long_prompt, endless))
-        await anext(stream)
-        client.forget(["tcp-d0"])
-        with pytest.raises(WorkerUnreachable, match="closed its output stream"):
-            async for _ in stream:
-                pass
-        await asyncio.to_thread(wait_until, lambda: used_blocks(d0) == [0])
+        outputs = client._outputs["tcp-d0"]
+        stream = client.generate("tcp-d0", GenerateRequest("mux-drained", long_prompt, SamplingParams(
+            max_tokens=60, ignore_eos=True)))
+        drained = [await anext(stream)]
+        client.forget(["tcp-d0"])  # as the router's directory does when the worker leaves routing
+        drained += [c async for c in stream]
+        assert drained[-1].finished and drained[-1].error is None and drained[-1].num_output_tokens == 60
+        assert outputs.error is not None  # then closed: the worker's channel for this router is gone
+        await asyncio.to_thread(wait_until, lambda: not ray.get(d0.renew_channel.remote(outputs.channel_id)))
         return results, batches, steps
 
     results, batches, steps = asyncio.run(run())
