@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import os
 import random
 import resource
@@ -55,16 +54,6 @@ def own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def worker_pid() -> int:
-    for path in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            if Path(path).read_bytes().startswith(b"ray::DecodeWorker"):
-                return int(path.split("/")[2])
-        except OSError:
-            continue
-    raise RuntimeError("no ray::DecodeWorker process")
-
-
 Stream = Callable[[GenerateRequest], AsyncIterator[TokenChunk]]
 
 
@@ -93,12 +82,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         config = EngineConfig(model=tiny_model_dir(tokenizer, Path(model_dir)), num_kv_blocks=4096, block_size=16)
         decode = start_decode_worker("d0", config, WorkerResources(num_cpus=1, torch_threads=1))
-        ray.get(decode.ready.remote())
+        pid = ray.get(decode.ready.remote())["pid"]
         client = RayWorkerClient(ray.get_runtime_context().namespace)
         ways: dict[str, Stream] = {"a Ray stream a request": lambda r: stream_generate(decode, r),
                                    "one a worker (routers)": lambda r: client.generate("d0", r)}
         rng = random.Random(0)
-        pid = worker_pid()
 
         async def rounds() -> dict[str, list[tuple[float, ...]]]:
             for stream in ways.values():  # warm both paths

@@ -284,15 +284,15 @@ def test_a_routers_requests_share_one_output_stream_a_decode_worker(tcp_cluster,
         await stream.aclose()
         await asyncio.to_thread(wait_until, lambda: used_blocks(d0) == [0])
         steps = sample_value(d0, "tandem_step_seconds_count", phase="decode") - steps_before
-        outputs = client._outputs["tcp-d0"]
+        channel = client._outputs["tcp-d0"]
         stream = client.generate("tcp-d0", GenerateRequest("mux-drained", long_prompt, SamplingParams(
             max_tokens=60, ignore_eos=True)))
         drained = [await anext(stream)]
         client.forget(["tcp-d0"])  # as the router's directory does when the worker leaves routing
         drained += [c async for c in stream]
         assert drained[-1].finished and drained[-1].error is None and drained[-1].num_output_tokens == 60
-        assert outputs.error is not None  # then closed: the worker's channel for this router is gone
-        await asyncio.to_thread(wait_until, lambda: not ray.get(d0.renew_channel.remote(outputs.channel_id)))
+        assert channel.error is not None  # then closed: the worker's channel for this router is gone
+        await asyncio.to_thread(wait_until, lambda: not ray.get(d0.renew_channel.remote(channel.channel_id)))
         return results, batches, steps
 
     results, batches, steps = asyncio.run(run())
