@@ -114,13 +114,13 @@ async def test_a_channel_its_consumer_stops_renewing_closes_and_cancels_its_requ
     for _ in range(12):  # 0.6 s, renewed: still open
         await asyncio.sleep(0.05)
         assert channel.renew()
-    assert not stream.closed
+    assert not stream.closed and not channel.expired
     t0 = asyncio.get_running_loop().time()
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(anext(batches), 2)  # ends: unrenewed past 0.3 s
     assert 0.25 < asyncio.get_running_loop().time() - t0 < 1.0
     await drain_ready()
-    assert stream.closed and not channel.renew()
+    assert stream.closed and not channel.renew() and channel.expired
 
 
 async def test_a_failing_or_unfinished_stream_ends_with_an_error_chunk():
@@ -164,6 +164,7 @@ async def test_a_services_channel_gives_its_per_request_streams_outputs_and_free
 
     subscription = decode.subscribe("router-1")
     assert await anext(subscription) == []
+    assert channel_metrics(decode) == (1, 0)
     with pytest.raises(ChannelClosed, match="no output channel 'nobody'"):
         decode.start_on("nobody", GenerateRequest("x", prompts[0], params))
     for i, p in enumerate(prompts):
@@ -197,3 +198,26 @@ async def test_a_services_channel_gives_its_per_request_streams_outputs_and_free
     assert held_blocks(decode) == 0 and decode.num_in_flight() == 0
     with pytest.raises(ChannelClosed):
         decode.start_on("router-1", GenerateRequest("late", prompts[0], params))
+    assert channel_metrics(decode) == (0, 0)  # left, not expired
+
+    # A router that stops renewing (dead): its channel expires, its request is aborted, the operator sees it.
+    subscription = decode.subscribe("router-3")
+    await anext(subscription)
+    decode._channels["router-3"].ttl_s = 0.3  # (the default 15 s, shortened before the channel's first wait)
+    decode.start_on("router-3", GenerateRequest("unheard", prompts[1], long))
+    with pytest.raises(StopAsyncIteration):
+        while True:
+            await asyncio.wait_for(anext(subscription), 60)
+    for _ in range(200):
+        if held_blocks(decode) == 0 and decode.num_in_flight() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert held_blocks(decode) == 0 and decode.num_in_flight() == 0
+    assert channel_metrics(decode) == (0, 1)
+
+
+def channel_metrics(service: DecodeService) -> tuple[float | None, float | None]:
+    """(output streams open, output streams expired) as the worker's /metrics says them."""
+    labels = {"worker_id": service.worker_id, "role": "decode"}
+    return (service.metrics.registry.get_sample_value("tandem_output_channels", labels),
+            service.metrics.registry.get_sample_value("tandem_output_channels_expired_total", labels))

@@ -304,6 +304,41 @@ def test_a_routers_requests_share_one_output_stream_a_decode_worker(tcp_cluster,
     assert steps < 100  # cancelled, not run to its 500 tokens
 
 
+def test_a_request_on_an_output_stream_the_worker_has_closed_is_unreachable_and_the_next_resubscribes(
+        tcp_cluster, make_engine):
+    """The worker closed this router's channel (unrenewed for its TTL: a stalled router) before the router heard:
+    the next request's start is refused there, and its stream ends as WorkerUnreachable (the router's failover
+    re-routes it), not a hang or an unexpected Ray error; the request after it subscribes afresh and streams, and
+    the spent subscription is closed on the worker."""
+    from router.worker_client import RayWorkerClient, WorkerUnreachable
+
+    _, (d0, _) = tcp_cluster
+    engine = make_engine(dense=True)
+    prompt = engine.tokenize(text_of_tokens(engine.tokenizer, 40, seed=260))
+    want = engine.generate([prompt], GREEDY)[0].token_ids
+    client = RayWorkerClient(NAMESPACE)
+
+    async def collect(rid: str) -> list[TokenChunk]:
+        return [c async for c in client.generate("tcp-d0", GenerateRequest(rid, prompt, GREEDY))]
+
+    async def run() -> tuple[list[TokenChunk], str]:
+        await collect("stale-0")
+        stale = client._outputs["tcp-d0"]
+        subscribed_id = stale.channel_id
+        stale.channel_id = "closed-on-the-worker"  # what the router holds names no channel there any more
+        with pytest.raises(WorkerUnreachable, match="closed its output stream"):
+            await collect("stale-1")
+        assert stale.error is not None
+        chunks = await collect("stale-2")
+        assert client._outputs["tcp-d0"] is not stale
+        return chunks, subscribed_id
+
+    chunks, subscribed_id = asyncio.run(run())
+    assert chunks[-1].error is None and [t for c in chunks for t in c.token_ids] == want
+    wait_until(lambda: not ray.get(d0.renew_channel.remote(subscribed_id)))
+    wait_until(lambda: used_blocks(d0) == [0])
+
+
 def test_router_over_ray_workers_with_the_openai_client(tcp_cluster, redis_url, make_engine):
     """The whole path: openai client -> router (HTTP) -> decode actor -> prefill actor, found through Redis."""
     import httpx

@@ -102,12 +102,16 @@ class DecodeService(EngineService):
         if channel_id in self._channels:
             raise ValueError(f"output channel {channel_id!r} is already subscribed")
         channel = self._channels[channel_id] = OutputChannel()
+        self.metrics.output_channels.set(len(self._channels))
         try:
             async for batch in channel.batches():
                 yield batch
         finally:
             self._channels.pop(channel_id, None)
             channel.close()
+            self.metrics.output_channels.set(len(self._channels))
+            if channel.expired:
+                self.metrics.output_channels_expired.inc()
 
     def start_on(self, channel_id: str, request: GenerateRequest) -> None:
         """Run a request whose chunks go to a subscribed channel."""

@@ -38,6 +38,11 @@ class WorkerMetrics:
         self.query_tokens = counter("tandem_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix "
                                     "cache (the hit rate's denominator)")
         self.prefill_tokens = counter("tandem_prefill_tokens", "Prompt tokens computed")
+        self.output_channels = gauge("tandem_output_channels", "Routers' output streams open on this decode worker "
+                                     "(one a router: output_channel.py)")
+        self.output_channels_expired = counter("tandem_output_channels_expired", "Output streams closed because "
+                                               "their router stopped renewing them (a dead or stalled router); the "
+                                               "requests on them were cancelled")
         self._preemptions = Counter("tandem_preemptions", "Requests preempted for lack of KV blocks, by what needed "
                                     "them (decode: a running request's next token; prefill_chunk: a prompt chunk)",
                                     names + ["cause"], registry=self.registry)

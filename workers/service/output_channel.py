@@ -45,6 +45,7 @@ class OutputChannel:
         self._arrived = asyncio.Event()
         self._requests: dict[str, asyncio.Task[None]] = {}
         self._closed = False
+        self.expired = False  # closed because its consumer stopped renewing it (a dead or stalled router)
         self.ttl_s = ttl_s
         self._heard = time.monotonic()
 
@@ -85,6 +86,7 @@ class OutputChannel:
                     async with asyncio.timeout(self.ttl_s / 3):
                         await self._arrived.wait()
                 if time.monotonic() - self._heard > self.ttl_s:
+                    self.expired = True
                     break
                 self._arrived.clear()
                 batch, self._chunks = self._chunks, []
