@@ -174,6 +174,7 @@ async def test_a_services_channel_gives_its_per_request_streams_outputs_and_free
     batches = 0
     while len(done) < len(prompts):
         batch = await asyncio.wait_for(anext(subscription), 60)
+        assert decode.renew_channel("router-1")  # as a live router does (unrenewed for 15 s, it would expire)
         batches += 1
         for chunk in batch:
             assert chunk.error is None, chunk.error
