@@ -148,6 +148,15 @@ def held_blocks(service: DecodeService) -> int:
     return service.loop.call(lambda e: e.block_pool.num_used_blocks).result(timeout=10)
 
 
+async def assert_all_freed(service: DecodeService) -> None:
+    """Within 10 s, no request is in flight and no KV block is held."""
+    for _ in range(200):
+        if held_blocks(service) == 0 and service.num_in_flight() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert held_blocks(service) == 0 and service.num_in_flight() == 0
+
+
 @pytest.fixture
 def decode(make_engine):
     service = DecodeService(make_engine(dense=True), TcpTransport(), "d0", None).start()
@@ -192,11 +201,7 @@ async def test_a_services_channel_gives_its_per_request_streams_outputs_and_free
     assert decode.cancel_on("router-1", "cancelled")
     assert not decode.cancel_on("router-2", "orphan")  # another router's channel does not reach it
     await subscription.aclose()
-    for _ in range(200):
-        if held_blocks(decode) == 0 and decode.num_in_flight() == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert held_blocks(decode) == 0 and decode.num_in_flight() == 0
+    await assert_all_freed(decode)
     with pytest.raises(ChannelClosed):
         decode.start_on("router-1", GenerateRequest("late", prompts[0], params))
     assert channel_metrics(decode) == (0, 0)  # left, not expired
@@ -209,11 +214,7 @@ async def test_a_services_channel_gives_its_per_request_streams_outputs_and_free
     with pytest.raises(StopAsyncIteration):
         while True:
             await asyncio.wait_for(anext(subscription), 60)
-    for _ in range(200):
-        if held_blocks(decode) == 0 and decode.num_in_flight() == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert held_blocks(decode) == 0 and decode.num_in_flight() == 0
+    await assert_all_freed(decode)
     assert channel_metrics(decode) == (0, 1)
 
 
