@@ -83,8 +83,7 @@ class WorkerOutputs:
 
         if not self.loop.is_closed():  # (a test's finished asyncio.run: nothing there waits any more)
             self._end(OutputStreamLost(f"the router closed its output stream from {self.worker_id!r}"))
-            self._reader.cancel()
-            self._renewer.cancel()
+            self._reader.cancel()  # (_end has cancelled the renewer)
         ray.cancel(self._refs)
 
     async def _read(self) -> None:
