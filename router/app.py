@@ -33,6 +33,7 @@ from router.prefix_index import PrefixIndex
 from router.slo_report import cluster_window, report_loop
 from router.slo_window import SLOWindow
 from router.state import RouterConfig, RouterState, load_tokenizer
+from router.task_stop import cancel_and_wait
 from router.tokenize_api import tokenize_api
 from router.worker_client import WorkerClient
 from router.worker_directory import WorkerDirectory
@@ -66,9 +67,7 @@ def create_app(config: RouterConfig, client: WorkerClient, tokenizer: Tokenizer 
         try:
             yield
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)
             with contextlib.suppress(aioredis.RedisError):
                 await redis.hdel(keys.slo, state.router_id)
             await release_metrics_lease(redis, keys, state.router_id)

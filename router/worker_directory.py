@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from router.task_stop import cancel_and_wait
 from workers.protocol.cluster_keys import ClusterKeys, WorkerInfo
 from workers.protocol.messages import WorkerLoad, unpack
 
@@ -64,8 +65,7 @@ class WorkerDirectory:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
         try:
             await self.redis.delete(self._mark)
         except (aioredis.RedisError, OSError):
