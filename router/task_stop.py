@@ -17,8 +17,9 @@ RECANCEL_S = 0.05  # a lost cancel costs this long before the next
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Cancel the tasks and return once every one has ended, cancelling again any that ran on. Their exceptions
-    are retrieved (none is raised here); a cancel of the caller itself still propagates."""
+    """Cancel the tasks and return once every one has ended, cancelling again any still running RECANCEL_S later
+    (so: for loops with no cleanup of their own to await). Their exceptions are retrieved (none is raised here); a
+    cancel of the caller itself still propagates."""
     tasks = list(tasks)
     pending = {t for t in tasks if not t.done()}
     while pending:
