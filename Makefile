@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install lint bench
+.PHONY: serve test test-scenarios install lint bench
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,8 +19,12 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve
 
+# The default suite. The whole-cluster scenarios (minutes of wall-clock load each) run apart, as CI runs them.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -m "not scenario"
+
+test-scenarios: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m scenario
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check cluster router workers kernels loadgen tests

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from loadgen.client import ClientConfig
@@ -20,6 +21,8 @@ from loadgen.workload import LengthSpec, WorkloadSpec, build_workload
 from tests.cluster.processes import start_serve, stop_group, wait_ready
 from tests.cluster.profiles import linear_profile
 from tests.router.serve import free_port as free_tcp_port
+
+pytestmark = pytest.mark.scenario
 
 INTERVAL_S = 2.0
 DELAY_S = 10.0

@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 from loadgen.runner import run_workload  # noqa: E402
 from workers.actors import start_decode_worker, start_prefill_worker  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.scenario]
 NAMESPACE = "tandem-burst"
 
 

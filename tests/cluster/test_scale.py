@@ -23,6 +23,8 @@ from cluster.cli import main as cli_main
 from tests.cluster.processes import stop_group
 from tests.router.serve import free_port
 
+pytestmark = pytest.mark.scenario
+
 CONFIG = """
 prefill:
   replicas: 1

@@ -23,6 +23,8 @@ from tests.cluster.processes import stop_group
 from tests.router.serve import free_port
 from workers.protocol.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.scenario
+
 RAY = str(Path(sys.executable).parent / "ray")
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 

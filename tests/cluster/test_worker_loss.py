@@ -30,7 +30,7 @@ from tests.cluster.processes import start_serve, stop_group, wait_ready
 from tests.cluster.profiles import linear_profile
 from tests.router.serve import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.scenario]
 UNRESPONSIVE_S = 3.0
 # ~1,200 prompt tokens take 1.2 s to prefill on the profile below: time to lose the worker mid-prompt.
 LONG_PROMPT = " ".join(f"word{i % 97} is" for i in range(300))
