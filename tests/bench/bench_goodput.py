@@ -82,8 +82,8 @@ def start_tandem(port: int, config: str | None, log_dir: Path) -> subprocess.Pop
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_dir / "tandem.log", "wb"), stderr=subprocess.STDOUT)
 
 
-def start_llama(binary: str, port: int, log_dir: Path) -> subprocess.Popen[bytes]:
-    cmd = [binary, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+def start_llama(binary: str, port: int, log_dir: Path, threads: int = 2) -> subprocess.Popen[bytes]:
+    cmd = [binary, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-np", "8", "-c", "16384", "--alias", "SmolLM2-135M-Instruct"]
     return subprocess.Popen(cmd, stdout=open(log_dir / "llama.log", "wb"), stderr=subprocess.STDOUT)
 
