@@ -68,6 +68,8 @@ BAD = [
     ("best_of streamed", "POST", TEXT, text(best_of=2, stream=True), 400),
     ("best_of on chat", "POST", CHAT, chat(best_of=2), 400),
     ("stream as a string", "POST", TEXT, text(stream="yes"), 400),
+    ("stream_options without a stream", "POST", CHAT, chat(stream_options={"include_usage": True}), 400),
+    ("stream_options on a completion not streamed", "POST", TEXT, text(stream_options={"include_usage": False}), 400),
     ("cache_salt empty", "POST", TEXT, text(cache_salt=""), 400),
     ("an unknown field", "POST", CHAT, chat(length_penalty=1.1), 400),
     ("an unknown field in a message", "POST", CHAT, chat(messages=[{"role": "user", "content": "hi", "x": 1}]), 400),
