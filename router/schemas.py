@@ -216,12 +216,14 @@ class _Common(BaseModel):
             raise ValueError("logit_bias keys must be token ids (non-negative integers as strings)")
         return bias
 
-    @model_validator(mode="after")
-    def _stream_options_need_a_stream(self) -> _Common:
-        # As OpenAI and vLLM answer: without a stream the options would be parsed and do nothing.
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
-        return self
+    @field_validator("stream_options")
+    @classmethod
+    def _only_on_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # As OpenAI and vLLM answer: without a stream the options would be parsed and do nothing. (`stream` is
+        # declared first, so it is in info.data once valid.)
+        if options is not None and not info.data.get("stream", False):
+            raise ValueError("only allowed with stream: true")
+        return options
 
     def logit_bias_pairs(self) -> list[tuple[int, float]]:
         return [(int(key), value) for key, value in (self.logit_bias or {}).items()]

@@ -110,6 +110,7 @@ def test_bad_request_is_a_4xx_with_a_message(local_cluster, name, method, path, 
      "Unrecognized request argument supplied: messages.0.weight"),
     ({"stream_options": {"include_usage": True, "continuous": True}}, "stream_options.continuous",
      "Unrecognized request argument supplied: stream_options.continuous"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options: only allowed with stream: true"),
     ({"functions": []}, "functions", "functions: functions is not supported by this server; leave it out or null"),
     ({"store": True}, "store", "store: store is not supported by this server"),
 ])
