@@ -150,7 +150,9 @@ def main() -> None:
                 engines[isa] = Engine(EngineConfig(weight_format=fmt, kv_cache_dtype=kv, num_kv_blocks=1024,
                                                    enable_prefix_caching=False))
                 decode_step_seconds(engines[isa], 1, 4, rng)  # warm-up: the process meets its shapes
-        model_bytes = weight_bytes(engines[isas[0]].model)
+        model = engines[isas[0]].model
+        assert isinstance(model, LlamaModel)  # a real model here, never the timing model
+        model_bytes = weight_bytes(model)
         kv_dtype = engines[isas[0]].runner.kv_cache.dtype
         kv_name = "int8" if kv_dtype == torch.int8 else f"fp{kv_dtype.itemsize * 8}"
         # The default engine's instruction sets take turns round by round, so each set's rounds span the
