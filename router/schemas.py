@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic, strict: a string where a number belongs is a 400, not a guess).
 
-Nothing is silently ignored. A field Tandem does not know is a 400 naming it, as OpenAI answers an
-unrecognized argument. OpenAI fields Tandem does not implement (``UNSUPPORTED``) are refused with a
+Nothing is silently ignored but ``user``, as in vLLM (see its comment). A field Tandem does not know is a 400
+naming it, as OpenAI answers an unrecognized argument. OpenAI fields Tandem does not implement (``UNSUPPORTED``) are refused with a
 message naming them when set to anything but null.
 Tandem's own fields (``VENDOR_FIELDS``) are listed in the README.
 """
@@ -102,9 +102,18 @@ class JsonObjectFormat(BaseModel):
 class JsonSchema(BaseModel):
     model_config = STRICT
     name: Annotated[str, Field(min_length=1, max_length=64)]
-    description: str | None = None
+    # OpenAI shows it to its models; nothing here would (the grammar holds the output to the schema), so a value is
+    # refused rather than dropped. OpenAI's Python client does not send it.
+    description: Any = None
     schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
     strict: bool | None = None  # the schema is always enforced; accepted as OpenAI's clients send it
+
+    @field_validator("description", mode="before")
+    @classmethod
+    def _no_description(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("not supported: the model is not shown it; say what the output is for in a message")
+        return None
 
 
 class JsonSchemaFormat(BaseModel):
@@ -184,6 +193,8 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
     skip_special_tokens: bool = True
+    # OpenAI's end-user id (for its abuse monitoring and cache bucketing); nothing here reads it, as in vLLM. OpenAI
+    # asks clients to send it with every request, so refusing it would break them.
     user: str | None = None
 
     response_format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
