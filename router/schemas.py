@@ -1,7 +1,8 @@
 """OpenAI request bodies (pydantic, strict: a string where a number belongs is a 400, not a guess).
 
-Nothing is silently ignored but ``user``, as in vLLM (see its comment). A field Tandem does not know is a 400
-naming it, as OpenAI answers an unrecognized argument. OpenAI fields Tandem does not implement (``UNSUPPORTED``) are refused with a
+Nothing is silently ignored but two descriptive fields that clients send unasked, as vLLM ignores them (see their
+comments): ``user`` and a json_schema's ``description``. A field Tandem does not know is a 400 naming it, as OpenAI
+answers an unrecognized argument. OpenAI fields Tandem does not implement (``UNSUPPORTED``) are refused with a
 message naming them when set to anything but null.
 Tandem's own fields (``VENDOR_FIELDS``) are listed in the README.
 """
@@ -102,18 +103,12 @@ class JsonObjectFormat(BaseModel):
 class JsonSchema(BaseModel):
     model_config = STRICT
     name: Annotated[str, Field(min_length=1, max_length=64)]
-    # OpenAI shows it to its models; nothing here would (the grammar holds the output to the schema), so a value is
-    # refused rather than dropped. OpenAI's Python client does not send it.
-    description: Any = None
+    # OpenAI shows it to its models; nothing here reads it (the grammar holds the output to the schema), as in vLLM.
+    # Accepted all the same: LangChain's structured output builds this object from a function schema and sends the
+    # schema's docstring here, so refusing it would refuse those requests.
+    description: str | None = None
     schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict)
     strict: bool | None = None  # the schema is always enforced; accepted as OpenAI's clients send it
-
-    @field_validator("description", mode="before")
-    @classmethod
-    def _no_description(cls, value: Any) -> None:
-        if value is not None:
-            raise ValueError("not supported: the model is not shown it; say what the output is for in a message")
-        return None
 
 
 class JsonSchemaFormat(BaseModel):

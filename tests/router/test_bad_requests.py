@@ -111,9 +111,6 @@ def test_bad_request_is_a_4xx_with_a_message(local_cluster, name, method, path, 
     ({"stream_options": {"include_usage": True, "continuous": True}}, "stream_options.continuous",
      "Unrecognized request argument supplied: stream_options.continuous"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options: only allowed with stream: true"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "description": "a reply", "schema": {}}}},
-     "response_format.json_schema.json_schema.description", "response_format.json_schema.json_schema.description: "
-     "not supported"),
     ({"functions": []}, "functions", "functions: functions is not supported by this server; leave it out or null"),
     ({"store": True}, "store", "store: store is not supported by this server"),
 ])
