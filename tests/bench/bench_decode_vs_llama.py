@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import cpu_kernel  # noqa: E402
 from tests.bench.bench_goodput import log, start_llama, stop, wait_ready  # noqa: E402
-from tests.bench.bench_quant_decode import decode_step_seconds  # noqa: E402
+from tests.bench.bench_quant_decode import decode_step_seconds, random_prompt  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 
@@ -47,13 +47,14 @@ PROMPT_LENS = (100, 160)
 PORT = 8201
 
 
-def random_prompt(rng: random.Random) -> list[int]:
-    return [rng.randrange(100, 40000) for _ in range(rng.randrange(*PROMPT_LENS))]
+def per_round(numerators: list[float], denominators: list[float]) -> list[float]:
+    """Each round's own ratio, sorted (median and range read off it)."""
+    return sorted(x / y for x, y in zip(numerators, denominators, strict=True))
 
 
 def llama_token_seconds(client: httpx.Client, url: str, batch: int, steps: int, rng: random.Random) -> float:
     """Median over ``batch`` requests sent at once of llama.cpp's own seconds a generated token."""
-    prompts = [random_prompt(rng) for _ in range(batch)]
+    prompts = [random_prompt(rng, PROMPT_LENS) for _ in range(batch)]
 
     def one(prompt: list[int]) -> float:
         r = client.post(f"{url}/completion", json={"prompt": prompt, "n_predict": steps, "temperature": 0,
@@ -108,13 +109,14 @@ def main() -> None:
     print(f"{'server':<10} {'b1 ms':>7} {'b8 ms':>7} {'b8/b1':>6} {'rounds':>11} {'tok/s b1':>9} {'tok/s b8':>9}")
     for name in ("tandem", "llama.cpp"):
         b1, b8 = statistics.median(seconds[name, 1]), statistics.median(seconds[name, 8])
-        ratios = sorted(x / y for x, y in zip(seconds[name, 8], seconds[name, 1], strict=True))
+        ratios = per_round(seconds[name, 8], seconds[name, 1])
         print(f"{name:<10} {b1 * 1e3:7.1f} {b8 * 1e3:7.1f} {statistics.median(ratios):6.2f} "
               f"{ratios[0]:5.2f}-{ratios[-1]:<5.2f} {1 / b1:9.1f} {8 / b8:9.1f}")
     for batch in BATCHES:
-        faster = sorted(x / y for x, y in zip(seconds["llama.cpp", batch], seconds["tandem", batch], strict=True))
+        faster = per_round(seconds["llama.cpp", batch], seconds["tandem", batch])
         print(f"batch {batch}: tandem's token {statistics.median(faster):.2f}x as fast as llama.cpp's "
               f"(rounds {faster[0]:.2f}-{faster[-1]:.2f})")
+
 
 if __name__ == "__main__":
     main()

@@ -92,13 +92,17 @@ class Round(NamedTuple):
     b8_long: float
 
 
+def random_prompt(rng: random.Random, lens: tuple[int, int]) -> list[int]:
+    """Fresh token ids (no prefix shared with another prompt): a length in [lens[0], lens[1])."""
+    return [rng.randrange(100, 40000) for _ in range(rng.randrange(*lens))]
+
+
 def decode_step_seconds(engine: Engine, batch: int, steps: int, rng: random.Random,
                         prompt_lens: tuple[int, int] = (100, 160)) -> float:
     """Median seconds of a decode-only step with ``batch`` requests running."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
-        prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(*prompt_lens))]
-        engine.add_request(prompt, params)
+        engine.add_request(random_prompt(rng, prompt_lens), params)
     times: list[float] = []
     while engine.has_unfinished and len(times) < steps:
         t0 = time.perf_counter()
