@@ -109,6 +109,7 @@ class RouterSection(_Strict):
     local_prefill_max_tokens: int = Field(default=64, ge=0)
     local_prefill_min_overlap: float = Field(default=0.8, ge=0)
     prefix_affinity: float = Field(default=0.25, ge=0)
+    decode_affinity_slack: int = Field(default=4, ge=0)
     approx_ttl_s: float = Field(default=2.0, gt=0)
     shutdown_grace_s: int = Field(default=20, ge=0)  # on SIGTERM, in-flight streams get this many seconds
     # A stream whose decode worker dies or fails is resumed on another this many times (0: it ends).
@@ -128,7 +129,7 @@ class RouterSection(_Strict):
 
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig(self.policy, self.prefill_weight, self.load_weight, self.local_prefill_max_tokens,
-                            self.local_prefill_min_overlap, self.prefix_affinity)
+                            self.local_prefill_min_overlap, self.prefix_affinity, self.decode_affinity_slack)
 
 
 class RedisSection(_Strict):

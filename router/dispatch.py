@@ -92,8 +92,9 @@ class Dispatcher:
                           load.kv_blocks_total - used, self.index.num_exact_blocks(w))
 
     def route(self, prompt_token_ids: list[int], block_hashes: list[int], block_size: int,
-              local_prefill: bool = False) -> Route:
-        """``local_prefill``: the decode worker computes the prompt (prompt logprobs need its logits there)."""
+              local_prefill: bool = False, cache_key: str | None = None) -> Route:
+        """``local_prefill``: the decode worker computes the prompt (prompt logprobs need its logits there).
+        ``cache_key``: the client's prompt_cache_key (policy.py: where it counts)."""
         decoders = [self._view(e) for e in self.directory.live("decode")]
         prefillers = [self._view(e) for e in self.directory.live("prefill")]
         if not decoders:
@@ -101,25 +102,28 @@ class Dispatcher:
         num_blocks = len(block_hashes)
         tie_key = block_hashes[0] if block_hashes else hash_block(ROOT_HASH, prompt_token_ids)
         needed = cdiv(len(prompt_token_ids), block_size)
-        decode = choose_decode_worker(decoders, needed, tie_key)
-        overlaps = self.index.match(block_hashes) if self.policy.policy == "prefix_aware" else {}
+        aware = self.policy.policy == "prefix_aware"
+        overlaps = self.index.match(block_hashes) if aware else {}
+        decode = choose_decode_worker(decoders, needed, tie_key, overlaps, self.policy.decode_affinity_slack,
+                                      cache_key if aware else None)
         decode_overlap = overlaps.get(decode, 0)
-        if not prefillers or local_prefill or (self.policy.policy == "prefix_aware" and should_prefill_locally(
+        if not prefillers or local_prefill or (aware and should_prefill_locally(
                 len(prompt_token_ids), decode_overlap * block_size, self.policy)):
-            return Route(decode, None, decode_overlap, needed)
+            return Route(decode, None, decode_overlap, needed, cache_key)
         if self.policy.policy == "round_robin":
             prefill = self._round_robin.choose(prefillers)
         elif self.policy.policy == "least_loaded":
             prefill = choose_least_loaded(prefillers, tie_key)
         else:
-            prefill = choose_prefill_worker(prefillers, overlaps, num_blocks, block_size, self.policy, tie_key)
-        return Route(decode, prefill, overlaps.get(prefill, 0), needed)
+            prefill = choose_prefill_worker(prefillers, overlaps, num_blocks, block_size, self.policy, tie_key,
+                                            cache_key)
+        return Route(decode, prefill, overlaps.get(prefill, 0), needed, cache_key)
 
     def plan(self, prompt_token_ids: list[int], cache_salt: str | None, block_size: int,
-             local_prefill: bool = False) -> Route:
+             local_prefill: bool = False, cache_key: str | None = None) -> Route:
         """Where one prompt goes, remembered in the index as approximate entries until the workers' events."""
         block_hashes = hash_prompt_blocks(prompt_token_ids, block_size, cache_salt)
-        route = self.route(prompt_token_ids, block_hashes, block_size, local_prefill)
+        route = self.route(prompt_token_ids, block_hashes, block_size, local_prefill, cache_key)
         self._remember(route, block_hashes)
         return route
 
@@ -127,7 +131,8 @@ class Dispatcher:
     def follow(route: Route, prompt_token_ids: list[int], block_size: int) -> Route:
         """Another sequence of an already prefilled prompt (``n`` > 1): on the same decode worker, prefilled
         there over the prompt's blocks its prefix cache now holds (only the last partial block is computed)."""
-        return Route(route.decode_worker, None, len(prompt_token_ids) // block_size, route.kv_blocks_needed)
+        return Route(route.decode_worker, None, len(prompt_token_ids) // block_size, route.kv_blocks_needed,
+                     route.cache_key)
 
     # ---- one request ----
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None,
@@ -171,10 +176,10 @@ class Dispatcher:
             self.metrics.failovers.labels(reason=reason).inc()
             log.warning("decode worker %s failed a stream (%s: %s); resuming it after %d tokens elsewhere",
                         route.decode_worker, reason, message.splitlines()[0] if message else "", len(sent))
-            route = await self._failover_route(prompt_token_ids + sent, cache_salt, block_size, failed)
+            route = await self._failover_route(prompt_token_ids + sent, cache_salt, block_size, failed, route.cache_key)
 
     async def _failover_route(self, token_ids: list[int], cache_salt: str | None, block_size: int,
-                              failed: set[str]) -> Route:
+                              failed: set[str], cache_key: str | None) -> Route:
         """A live decode worker other than ``failed`` (waiting up to ``failover_wait_s`` for one), to prefill
         the prompt and the tokens sent so far itself."""
         deadline = time.monotonic() + self.failover_wait_s
@@ -188,8 +193,11 @@ class Dispatcher:
         block_hashes = hash_prompt_blocks(token_ids, block_size, cache_salt)
         needed = cdiv(len(token_ids), block_size)
         tie_key = block_hashes[0] if block_hashes else hash_block(ROOT_HASH, token_ids)
-        decode = choose_decode_worker(decoders, needed, tie_key)
-        return Route(decode, None, self.index.match(block_hashes).get(decode, 0), needed)
+        overlaps = self.index.match(block_hashes)
+        aware = self.policy.policy == "prefix_aware"  # then the worker holding most of it, within the slack
+        decode = choose_decode_worker(decoders, needed, tie_key, overlaps if aware else None,
+                                      self.policy.decode_affinity_slack, cache_key if aware else None)
+        return Route(decode, None, overlaps.get(decode, 0), needed, cache_key)
 
     async def _attempts(self, route: Route, prompt_token_ids: list[int], sampling: SamplingParams,
                         cache_salt: str | None, block_size: int, sent: list[int]) -> AsyncGenerator[TokenChunk, None]:

@@ -146,7 +146,8 @@ async def _respond(request: Request, state: RouterState, body: ChatCompletionReq
     choices = [Completion(kind, request_id, state.model_name, shown_logprobs, index=i, tools=tools, echo=echo)
                for i in range(num_sequences)]
     dispatcher, salt, block_size = state.dispatcher, body.cache_salt, shape.block_size
-    route = dispatcher.plan(prompt_ids, salt, block_size, local_prefill=sampling.prompt_logprobs is not None)
+    route = dispatcher.plan(prompt_ids, salt, block_size, local_prefill=sampling.prompt_logprobs is not None,
+                            cache_key=body.prompt_cache_key)
     streams = [dispatcher.generate(prompt_ids, sampling, salt, block_size, route)]
     firsts, gone = await until_disconnect(request.receive, _first_chunks(streams))
     if not gone and firsts is not None and num_sequences > 1:  # the prompt is cached on the decode worker now

@@ -12,10 +12,23 @@ caching the fewest blocks (so new prefixes spread over the pool's cache instead 
 worker and evicting each other), then by ``tie_key`` (the prompt's first block hash): random across
 prefixes, yet the same on every router replica, so routers that see the same state make the same
 choice and a prefix nobody caches yet lands on one worker from every router.
+
+Decode choice: first the requests that would wait ahead of this one, then the running batch; but a decode
+worker that caches the prompt's prefix (a conversation's earlier turns, prompt and answers) keeps the request
+while its batch is at most ``decode_affinity_slack`` bigger than the best's (scaled by the share of the prompt
+it holds): there the prompt is prefilled locally, or only the blocks it lacks are moved, where another worker
+needs the whole prompt's KV.
+
+A client's ``prompt_cache_key`` (OpenAI's routing hint for requests that share prompts) orders the workers by
+rendezvous hashing, the same order on every router: where the cache and load leave a choice (a tie in cost
+and cached prefix for prefill; for decode, the longest cached prefix's holders within the slack, or where none
+caches any of the prompt, every worker within the slack), the first in the key's order takes the request, so
+a conversation's first turn lands where its later ones will look.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -31,6 +44,7 @@ class Route:
     prefill_worker: str | None  # None: prefill on the decode worker
     prefill_overlap_blocks: int  # cached leading blocks on the worker that prefills
     kv_blocks_needed: int  # the prompt's blocks, reserved on the decode worker (decode grows them later)
+    cache_key: str | None = None  # the client's prompt_cache_key: a failover routes by it too
 
 
 @dataclass(frozen=True)
@@ -44,12 +58,17 @@ class PolicyConfig:
     local_prefill_min_overlap: float = 0.8
     # Cost margin (a share of the prompt's blocks) within which the longest cached prefix wins.
     prefix_affinity: float = 0.25
+    # Requests more than the least busy decode worker's batch that one caching the prompt's prefix (or first in
+    # the prompt_cache_key's order) may run and still take the request.
+    decode_affinity_slack: int = 4
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.prefill_weight < 0 or self.load_weight < 0 or self.prefix_affinity < 0:
             raise ValueError("policy weights must be non-negative")
+        if self.decode_affinity_slack < 0:
+            raise ValueError("decode_affinity_slack must be non-negative")
 
 
 class WorkerView(NamedTuple):
@@ -68,6 +87,17 @@ def _pick(worker_ids: Sequence[str], tie_key: int) -> str:
     return sorted(worker_ids)[tie_key % len(worker_ids)]
 
 
+def key_rank(cache_key: str, worker_id: str) -> int:
+    """Where ``cache_key`` puts a worker (higher first): rendezvous hashing, so every router agrees, and a worker
+    joining or leaving moves only the keys it comes first for."""
+    digest = hashlib.blake2b(f"{cache_key}\0{worker_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _first_for_key(views: Sequence[WorkerView], cache_key: str) -> str:
+    return max(views, key=lambda v: key_rank(cache_key, v.worker_id)).worker_id
+
+
 def prefill_cost(view: WorkerView, num_prompt_blocks: int, overlap_blocks: int, block_size: int,
                  config: PolicyConfig) -> float:
     queued_blocks = view.queued_prefill_tokens / block_size
@@ -76,8 +106,9 @@ def prefill_cost(view: WorkerView, num_prompt_blocks: int, overlap_blocks: int, 
 
 
 def choose_prefill_worker(views: Sequence[WorkerView], overlaps: Mapping[str, int], num_prompt_blocks: int,
-                          block_size: int, config: PolicyConfig, tie_key: int) -> str:
-    """argmin of ``prefill_cost``; ties broken by ``tie_key``."""
+                          block_size: int, config: PolicyConfig, tie_key: int, cache_key: str | None = None) -> str:
+    """argmin of ``prefill_cost``; ties to the longest cached prefix, then ``cache_key``'s first (or the least
+    cached, then ``tie_key``)."""
     if not views:
         raise ValueError("no prefill workers")
     costs = {v.worker_id: prefill_cost(v, num_prompt_blocks, overlaps.get(v.worker_id, 0), block_size, config)
@@ -87,6 +118,8 @@ def choose_prefill_worker(views: Sequence[WorkerView], overlaps: Mapping[str, in
     tied = [v for v in views if costs[v.worker_id] <= best + margin]
     longest = max(overlaps.get(v.worker_id, 0) for v in tied)
     tied = [v for v in tied if overlaps.get(v.worker_id, 0) == longest]
+    if cache_key is not None:
+        return _first_for_key(tied, cache_key)
     least_cached = min(v.cached_blocks for v in tied)
     return _pick([v.worker_id for v in tied if v.cached_blocks == least_cached], tie_key)
 
@@ -109,12 +142,37 @@ def decode_rank(view: WorkerView, num_prompt_blocks: int) -> tuple[int, int, int
     return view.num_waiting + (room < num_prompt_blocks), view.num_running, -room
 
 
-def choose_decode_worker(views: Sequence[WorkerView], num_prompt_blocks: int, tie_key: int) -> str:
-    """Any live decode worker takes the request (a full one queues it): the best ranked."""
+def choose_decode_worker(views: Sequence[WorkerView], num_prompt_blocks: int, tie_key: int,
+                         overlaps: Mapping[str, int] | None = None, slack: int = 0,
+                         cache_key: str | None = None) -> str:
+    """Any live decode worker takes the request (a full one queues it): the best ranked. But a worker caching
+    part of the prompt (``overlaps``, in blocks) that queues it no later may run up to ``slack`` requests more,
+    in proportion to the share of the prompt it holds: the longest such prefix wins. With ``cache_key``, the
+    first in its order among those (or, where none caches any, among all within ``slack``); else the best
+    ranked (ties by ``tie_key``)."""
     if not views:
         raise ValueError("no decode workers")
-    best = min(decode_rank(v, num_prompt_blocks) for v in views)
-    return _pick([v.worker_id for v in views if decode_rank(v, num_prompt_blocks) == best], tie_key)
+    ranks = {v.worker_id: decode_rank(v, num_prompt_blocks) for v in views}
+    best = min(ranks.values())
+    overlaps = overlaps or {}
+
+    def within(v: WorkerView, extra: float) -> bool:
+        waits, running, _ = ranks[v.worker_id]
+        return waits == best[0] and running <= best[1] + extra
+
+    holders = [v for v in views if overlaps.get(v.worker_id, 0) > 0
+               and within(v, slack * overlaps[v.worker_id] / max(num_prompt_blocks, 1))]
+    if holders:
+        longest = max(overlaps[v.worker_id] for v in holders)
+        candidates = [v for v in holders if overlaps[v.worker_id] == longest]
+    elif cache_key is not None:  # nothing cached yet: where the key's later requests will find it
+        return _first_for_key([v for v in views if within(v, slack)], cache_key)
+    else:
+        candidates = [v for v in views if within(v, 0)]
+    if cache_key is not None:
+        return _first_for_key(candidates, cache_key)
+    top = min(ranks[v.worker_id] for v in candidates)
+    return _pick([v.worker_id for v in candidates if ranks[v.worker_id] == top], tie_key)
 
 
 def should_prefill_locally(num_prompt_tokens: int, decode_overlap_tokens: int, config: PolicyConfig) -> bool:

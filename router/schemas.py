@@ -179,6 +179,9 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # OpenAI's routing hint for requests that share prompts (agents send their conversation's id): the router's
+    # key for placing them together (router/policy.py). Never hashed into the blocks, unlike cache_salt.
+    prompt_cache_key: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0

@@ -71,6 +71,8 @@ BAD = [
     ("stream_options without a stream", "POST", CHAT, chat(stream_options={"include_usage": True}), 400),
     ("stream_options on a completion not streamed", "POST", TEXT, text(stream_options={"include_usage": False}), 400),
     ("cache_salt empty", "POST", TEXT, text(cache_salt=""), 400),
+    ("prompt_cache_key empty", "POST", CHAT, chat(prompt_cache_key=""), 400),
+    ("prompt_cache_key a number", "POST", TEXT, text(prompt_cache_key=7), 400),
     ("an unknown field", "POST", CHAT, chat(length_penalty=1.1), 400),
     ("an unknown field in a message", "POST", CHAT, chat(messages=[{"role": "user", "content": "hi", "x": 1}]), 400),
     ("tools, to a model whose template has none", "POST", CHAT,

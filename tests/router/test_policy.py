@@ -98,3 +98,47 @@ def test_bad_policy_config_is_refused():
         PolicyConfig(policy="random")
     with pytest.raises(ValueError, match="weights"):
         PolicyConfig(prefill_weight=-1)
+    with pytest.raises(ValueError, match="decode_affinity_slack"):
+        PolicyConfig(decode_affinity_slack=-1)
+
+
+def test_a_decode_worker_caching_the_prompt_keeps_it_within_the_slack():
+    # d1 holds 60 of the prompt's 64 blocks (a conversation's earlier turns) and runs 3 more requests than d0:
+    # within 4 x 60/64 = 3.75, so it keeps the request; 4 more is past it.
+    views = [view("d0", running=1), view("d1", running=4)]
+    assert choose_decode_worker(views, 64, 0, {"d1": 60}, slack=4) == "d1"
+    assert choose_decode_worker([view("d0", running=1), view("d1", running=5)], 64, 0, {"d1": 60}, slack=4) == "d0"
+    assert choose_decode_worker(views, 64, 0, {"d1": 60}, slack=0) == "d0"  # no slack: load alone
+    # A few blocks cached (a shared system prompt) buy little: 4 x 4/64 = 0.25 of a request.
+    assert choose_decode_worker([view("d0"), view("d1", running=1)], 64, 0, {"d1": 4}, slack=4) == "d0"
+    assert choose_decode_worker([view("d0", free=90), view("d1", free=20)], 8, 0, {"d1": 4}, slack=4) == "d1"
+    # Never at the price of queueing: d1 has no room for the prompt's blocks.
+    assert choose_decode_worker([view("d0"), view("d1", free=30)], 64, 0, {"d1": 60}, slack=4) == "d0"
+    # The longest cached prefix among those within the slack.
+    three = [view("d0"), view("d1", running=1), view("d2", running=2)]
+    assert choose_decode_worker(three, 64, 0, {"d1": 40, "d2": 64}, slack=4) == "d2"
+
+
+def test_prompt_cache_key_orders_the_workers_the_same_everywhere():
+    decoders = [view(f"d{i}") for i in range(4)]
+    homes = {key: choose_decode_worker(decoders, 8, 0, cache_key=key) for key in map(str, range(40))}
+    assert set(homes.values()) == {"d0", "d1", "d2", "d3"}  # keys spread over the workers ...
+    for key, home in homes.items():  # ... each to one, whatever the tie key and the views' order
+        assert {choose_decode_worker(list(reversed(decoders)), 8, k, cache_key=key) for k in range(4)} == {home}
+    # Rendezvous: a worker leaving moves only its own keys.
+    without_d3 = [v for v in decoders if v.worker_id != "d3"]
+    moved = {k for k, home in homes.items() if choose_decode_worker(without_d3, 8, 0, cache_key=k) != home}
+    assert moved == {k for k, home in homes.items() if home == "d3"}
+    # The key chooses among the workers within the slack of the least busy: a home busier than that is passed over.
+    key = next(k for k, home in homes.items() if home == "d2")
+    busy = [view("d0"), view("d1"), view("d2", running=2), view("d3")]
+    assert choose_decode_worker(busy, 8, 0, slack=2, cache_key=key) == "d2"
+    assert choose_decode_worker(busy, 8, 0, slack=1, cache_key=key) != "d2"
+    # A worker caching the prompt comes before the key's home.
+    assert choose_decode_worker(decoders, 8, 0, {"d1": 6}, slack=4, cache_key=key) == "d1"
+    # Prefill: the key decides a tie (before spreading over the caches), never against a cached prefix.
+    prefillers = [view("p0")._replace(cached_blocks=300), view("p1")._replace(cached_blocks=60)]
+    picks = {choose_prefill_worker(prefillers, {}, 64, BS, CFG, tie_key=0, cache_key=str(k)) for k in range(20)}
+    assert picks == {"p0", "p1"}
+    assert {choose_prefill_worker(prefillers, {"p0": 50}, 64, BS, CFG, tie_key=0, cache_key=str(k))
+            for k in range(20)} == {"p0"}
