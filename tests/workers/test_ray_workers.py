@@ -355,7 +355,9 @@ def test_router_over_ray_workers_with_the_openai_client(tcp_cluster, redis_url, 
     router = serve_router(config, RayWorkerClient(NAMESPACE), engine.tokenizer, min_workers=3)
     try:
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        # A question of its own: the reference prompts' are cached on the decode workers, and the router would
+        # prefill one there (the worker caching it keeps it), never crossing from the prefill worker.
+        messages = [{"role": "user", "content": "Name three rivers of South America and where they flow."}]
         want = engine.generate([{"messages": messages}], SamplingParams(max_tokens=16, temperature=0.0))[0].text
         reply = client.chat.completions.create(model="smol", messages=messages, max_tokens=16, temperature=0)
         assert reply.choices[0].message.content == want
