@@ -29,6 +29,7 @@ from router.policy import (
     choose_decode_worker,
     choose_least_loaded,
     choose_prefill_worker,
+    key_rank,
     should_prefill_locally,
 )
 from router.prefix_index import PrefixIndex
@@ -69,6 +70,14 @@ class _Accounting:
     kv_blocks: Counter[str]
 
 
+def _tie_key(block_hashes: list[int], token_ids: list[int], cache_key: str | None) -> int:
+    """What ties between workers break by, the same on every router: the prompt_cache_key's hash where the client
+    sent one (so under every policy its requests tie-break alike), else the prompt's first block's."""
+    if cache_key is not None:
+        return key_rank(cache_key, "")
+    return block_hashes[0] if block_hashes else hash_block(ROOT_HASH, token_ids)
+
+
 class Dispatcher:
     def __init__(self, directory: WorkerDirectory, index: PrefixIndex, client: WorkerClient,
                  policy: PolicyConfig, metrics: RouterMetrics, approx_ttl_s: float = 2.0, max_failovers: int = 2):
@@ -100,7 +109,7 @@ class Dispatcher:
         if not decoders:
             raise no_worker_error("decode")
         num_blocks = len(block_hashes)
-        tie_key = block_hashes[0] if block_hashes else hash_block(ROOT_HASH, prompt_token_ids)
+        tie_key = _tie_key(block_hashes, prompt_token_ids, cache_key)
         needed = cdiv(len(prompt_token_ids), block_size)
         aware = self.policy.policy == "prefix_aware"
         overlaps = self.index.match(block_hashes) if aware else {}
@@ -192,7 +201,7 @@ class Dispatcher:
             await asyncio.sleep(0.2)
         block_hashes = hash_prompt_blocks(token_ids, block_size, cache_salt)
         needed = cdiv(len(token_ids), block_size)
-        tie_key = block_hashes[0] if block_hashes else hash_block(ROOT_HASH, token_ids)
+        tie_key = _tie_key(block_hashes, token_ids, cache_key)
         overlaps = self.index.match(block_hashes)
         aware = self.policy.policy == "prefix_aware"  # then the worker holding most of it, within the slack
         decode = choose_decode_worker(decoders, needed, tie_key, overlaps if aware else None,

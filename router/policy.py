@@ -23,7 +23,8 @@ A client's ``prompt_cache_key`` (OpenAI's routing hint for requests that share p
 rendezvous hashing, the same order on every router: where the cache and load leave a choice (a tie in cost
 and cached prefix for prefill; for decode, the longest cached prefix's holders within the slack, or where none
 caches any of the prompt, every worker within the slack), the first in the key's order takes the request, so
-a conversation's first turn lands where its later ones will look.
+a conversation's first turn lands where its later ones will look. (Under the other policies the key's hash
+is the tie key: dispatch.py.)
 """
 
 from __future__ import annotations

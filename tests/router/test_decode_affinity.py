@@ -54,17 +54,17 @@ def complete(url: str, prompt: list[int], max_tokens: int = 4, **fields: object)
 
 @pytest.fixture
 def cluster(make_engine, redis_url) -> Iterator[Callable[[int], tuple[AppServer, dict[str, EngineService]]]]:
-    """``start(slack)``: p0, d0 and d1, and a router whose decode affinity slack is ``slack``."""
+    """``start(slack, policy)``: p0, d0 and d1, and a router of that policy and decode affinity slack."""
     made: list[tuple[AppServer, list[EngineService]]] = []
 
-    def start(slack: int) -> tuple[AppServer, dict[str, EngineService]]:
+    def start(slack: int, policy: str = "prefix_aware") -> tuple[AppServer, dict[str, EngineService]]:
         publish = PublishConfig(redis_url, f"affinity-{uuid.uuid4().hex[:8]}")
         prefill = PrefillService(make_engine(), TcpTransport(), "p0", publish=publish).start()
         decoders = {name: DecodeService(make_engine(), TcpTransport(), name, LocalPrefillClient({"p0": prefill}),
                                         transfer_timeout_s=10.0, publish=publish).start() for name in DECODERS}
         # Short prompts are prefilled remotely too: only a cached prefix makes a prefill local.
         config = RouterConfig(redis_url, publish.cluster, served_model_name=MODEL,
-                              policy=PolicyConfig(local_prefill_max_tokens=8, decode_affinity_slack=slack))
+                              policy=PolicyConfig(policy, local_prefill_max_tokens=8, decode_affinity_slack=slack))
         client = LocalWorkerClient(dict(decoders), {"p0": prefill})
         router = serve_router(config, client, decoders["d0"].loop.engine.tokenizer, min_workers=3)
         made.append((router, [prefill, *decoders.values()]))
@@ -133,3 +133,20 @@ def test_prompt_cache_key_puts_unrelated_prompts_on_its_first_worker(cluster):
     response = httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=60)
     assert response.status_code == 200, response.text
     assert landed(before, started(services))[-1] == homes["conversation-0"]
+
+
+def test_under_least_loaded_prompt_cache_key_breaks_the_ties(cluster):
+    """The policy that ignores caches still honours the key where the load ties: one key's requests, one worker."""
+    router, services = cluster(4, "least_loaded")
+    rng = random.Random(3)
+    homes = set()
+    for key in [f"agent-{i}" for i in range(6)]:
+        served = set()
+        for _ in range(3):
+            settle(router.url)  # idle by the reports too: a tie
+            before = started(services)
+            complete(router.url, [rng.randrange(100, 40000) for _ in range(40)], prompt_cache_key=key)
+            served |= {w for w in landed(before, started(services)) if w != "p0"}
+        assert len(served) == 1, (key, served)
+        homes |= served
+    assert homes == set(DECODERS)
