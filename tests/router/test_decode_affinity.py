@@ -53,7 +53,7 @@ def complete(url: str, prompt: list[int], max_tokens: int = 4, **fields: object)
 
 
 @pytest.fixture
-def cluster(make_engine, redis_url) -> Iterator[Callable[[int], tuple[AppServer, dict[str, EngineService]]]]:
+def cluster(make_engine, redis_url) -> Iterator[Callable[..., tuple[AppServer, dict[str, EngineService]]]]:
     """``start(slack, policy)``: p0, d0 and d1, and a router of that policy and decode affinity slack."""
     made: list[tuple[AppServer, list[EngineService]]] = []
 
@@ -105,9 +105,9 @@ def test_a_conversation_stays_on_the_decode_worker_caching_it(cluster, slack):
     # It shares 288 of its 308 tokens with what home caches, and the load ties: home takes it, and prefills it.
     assert landed(before, started(services)) == [home]
     before = started(services)
-    complete(router.url, history + [rng.randrange(100, 40000) for _ in range(40)])  # turn 2: 300 of 340 cached
+    complete(router.url, history + [rng.randrange(100, 40000) for _ in range(40)])  # turn 2: 340 tokens
     assert not done.is_set(), "the long request ended before turn 2 was routed"
-    if slack:  # home holds 88% of it: decoded there, and prefilled there (nothing from p0)
+    if slack:  # home caches 288 of them (85%): decoded there, and prefilled there (nothing from p0)
         assert landed(before, started(services)) == [home]
     else:  # load alone: the idle worker, which needs the whole prompt from p0
         assert landed(before, started(services)) == ["p0", other]
