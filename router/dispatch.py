@@ -113,8 +113,7 @@ class Dispatcher:
         needed = cdiv(len(prompt_token_ids), block_size)
         aware = self.policy.policy == "prefix_aware"
         overlaps = self.index.match(block_hashes) if aware else {}
-        decode = choose_decode_worker(decoders, needed, tie_key, overlaps, self.policy.decode_affinity_slack,
-                                      cache_key if aware else None)
+        decode = self._decode_worker(decoders, needed, tie_key, overlaps, cache_key)
         decode_overlap = overlaps.get(decode, 0)
         if not prefillers or local_prefill or (aware and should_prefill_locally(
                 len(prompt_token_ids), decode_overlap * block_size, self.policy)):
@@ -127,6 +126,14 @@ class Dispatcher:
             prefill = choose_prefill_worker(prefillers, overlaps, num_blocks, block_size, self.policy, tie_key,
                                             cache_key)
         return Route(decode, prefill, overlaps.get(prefill, 0), needed, cache_key)
+
+    def _decode_worker(self, decoders: list[WorkerView], needed: int, tie_key: int, overlaps: dict[str, int],
+                       cache_key: str | None) -> str:
+        """Under prefix_aware, the worker caching most of the prompt or first for the key, within the slack
+        (policy.py); under the policies that ignore caches, the best ranked."""
+        if self.policy.policy != "prefix_aware":
+            return choose_decode_worker(decoders, needed, tie_key)
+        return choose_decode_worker(decoders, needed, tie_key, overlaps, self.policy.decode_affinity_slack, cache_key)
 
     def plan(self, prompt_token_ids: list[int], cache_salt: str | None, block_size: int,
              local_prefill: bool = False, cache_key: str | None = None) -> Route:
@@ -203,9 +210,7 @@ class Dispatcher:
         needed = cdiv(len(token_ids), block_size)
         tie_key = _tie_key(block_hashes, token_ids, cache_key)
         overlaps = self.index.match(block_hashes)
-        aware = self.policy.policy == "prefix_aware"  # then the worker holding most of it, within the slack
-        decode = choose_decode_worker(decoders, needed, tie_key, overlaps if aware else None,
-                                      self.policy.decode_affinity_slack, cache_key if aware else None)
+        decode = self._decode_worker(decoders, needed, tie_key, overlaps, cache_key)
         return Route(decode, None, overlaps.get(decode, 0), needed, cache_key)
 
     async def _attempts(self, route: Route, prompt_token_ids: list[int], sampling: SamplingParams,

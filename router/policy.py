@@ -166,10 +166,8 @@ def choose_decode_worker(views: Sequence[WorkerView], num_prompt_blocks: int, ti
     if holders:
         longest = max(overlaps[v.worker_id] for v in holders)
         candidates = [v for v in holders if overlaps[v.worker_id] == longest]
-    elif cache_key is not None:  # nothing cached yet: where the key's later requests will find it
-        return _first_for_key([v for v in views if within(v, slack)], cache_key)
-    else:
-        candidates = [v for v in views if within(v, 0)]
+    else:  # nothing cached yet: a key's first worker within the slack, where its later requests will look
+        candidates = [v for v in views if within(v, slack if cache_key is not None else 0)]
     if cache_key is not None:
         return _first_for_key(candidates, cache_key)
     top = min(ranks[v.worker_id] for v in candidates)
