@@ -16,7 +16,6 @@ worker, which recomputes the history when it is not the one caching it.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -47,8 +47,8 @@ def config_with_slack(slack: int, directory: Path) -> str:
 
 
 def metric_total(text: str, name: str) -> float:
-    """A counter summed over its labels (every worker's)."""
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE))
+    """A sample summed over its labels (every worker's)."""
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
 def run(slack: int, args: argparse.Namespace, out: Path, configs: Path) -> dict[str, float]:
