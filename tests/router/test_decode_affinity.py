@@ -39,9 +39,11 @@ def landed(before: dict[str, int], after: dict[str, int]) -> list[str]:
 
 
 def settle(url: str) -> None:
-    """Until every worker's load report says it runs nothing (a report lags the requests it counts by ~0.1 s)."""
+    """Until every worker's load report says it runs nothing and holds no block for a request (a report lags the
+    requests it counts by ~0.1 s): then the workers' loads tie."""
     deadline = time.monotonic() + 10
-    while any(w["num_running"] or w["num_waiting"] for w in httpx.get(f"{url}/cluster/status").json()["workers"]):
+    while any(w["num_running"] or w["num_waiting"] or w["kv_blocks_used"]
+              for w in httpx.get(f"{url}/cluster/status").json()["workers"]):
         assert time.monotonic() < deadline, "the workers still report requests"
         time.sleep(0.05)
 
