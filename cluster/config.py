@@ -123,6 +123,11 @@ class RouterSection(_Strict):
     admin_keys: list[SecretStr] = Field(default_factory=list)
     metrics_need_key: bool = False
 
+    @model_validator(mode="after")
+    def _knobs_the_policy_reads(self) -> RouterSection:
+        self.policy_config()  # PolicyConfig refuses a prefix_aware knob set under another policy
+        return self
+
     def auth_config(self) -> AuthConfig:
         return AuthConfig(tuple(k.get_secret_value() for k in self.api_keys),
                           tuple(k.get_secret_value() for k in self.admin_keys), self.metrics_need_key)

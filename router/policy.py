@@ -31,10 +31,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 POLICIES = ("prefix_aware", "round_robin", "least_loaded")
+# PolicyConfig's fields that only prefix_aware reads: round_robin and least_loaded neither cost prompts nor
+# prefill locally nor keep a conversation on its decode worker.
+PREFIX_AWARE_KNOBS = ("prefill_weight", "load_weight", "local_prefill_max_tokens", "local_prefill_min_overlap",
+                      "prefix_affinity", "decode_affinity_slack")
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,17 @@ class PolicyConfig:
             raise ValueError("policy weights must be non-negative")
         if self.decode_affinity_slack < 0:
             raise ValueError("decode_affinity_slack must be non-negative")
+        unread = self.unread_knobs()
+        if unread:  # set, and read by no one: refused rather than ignored
+            raise ValueError(f"{', '.join(unread)}: only the prefix_aware policy reads this, and the policy is "
+                             f"{self.policy} (leave it at its default, or use prefix_aware)")
+
+    def unread_knobs(self) -> list[str]:
+        """The prefix_aware knobs set away from their defaults under another policy, which would not read them."""
+        if self.policy == "prefix_aware":
+            return []
+        defaults = {f.name: f.default for f in fields(PolicyConfig)}
+        return [k for k in PREFIX_AWARE_KNOBS if getattr(self, k) != defaults[k]]
 
 
 class WorkerView(NamedTuple):

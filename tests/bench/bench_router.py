@@ -68,7 +68,10 @@ MODEL = tiny_model(num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32)
 
 
 def remote_prefill_only(policy: str) -> PolicyConfig:
-    """Every prompt routed to a prefill worker (never prefilled on the decode worker)."""
+    """Every prompt routed to a prefill worker (never prefilled on the decode worker: the other policies never
+    prefill locally, and refuse the knobs)."""
+    if policy != "prefix_aware":
+        return PolicyConfig(policy)
     return PolicyConfig(policy, local_prefill_max_tokens=0, local_prefill_min_overlap=1.01)
 
 

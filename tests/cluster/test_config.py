@@ -42,6 +42,8 @@ def test_cuda_graphs_reach_the_engine():
     ({"decode": {"engine": {"kv_cache_bytes": 0}}}, "decode.engine.kv_cache_bytes: Input should be greater than"),
     ({"decode": {"engine": {"cuda_graphs": "sometimes"}}},
      "decode.engine.cuda_graphs: Input should be a valid boolean"),
+    ({"router": {"policy": "least_loaded", "local_prefill_max_tokens": 0}},
+     "router: local_prefill_max_tokens: only the prefix_aware policy reads this, and the policy is least_loaded"),
 ])
 def test_bad_config_is_one_line_naming_the_key(data, message):
     with pytest.raises(ConfigError) as info:

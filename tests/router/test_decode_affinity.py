@@ -56,17 +56,20 @@ def complete(url: str, prompt: list[int], max_tokens: int = 4, **fields: object)
 
 @pytest.fixture
 def cluster(make_engine, redis_url) -> Iterator[Callable[..., tuple[AppServer, dict[str, EngineService]]]]:
-    """``start(slack, policy)``: p0, d0 and d1, and a router of that policy and decode affinity slack."""
+    """``start(slack, policy)``: p0, d0 and d1, and a router of that policy and decode affinity slack (None: under
+    least_loaded and round_robin, which read no slack)."""
     made: list[tuple[AppServer, list[EngineService]]] = []
 
-    def start(slack: int, policy: str = "prefix_aware") -> tuple[AppServer, dict[str, EngineService]]:
+    def start(slack: int | None, policy: str = "prefix_aware") -> tuple[AppServer, dict[str, EngineService]]:
         publish = PublishConfig(redis_url, f"affinity-{uuid.uuid4().hex[:8]}")
         prefill = PrefillService(make_engine(), TcpTransport(), "p0", publish=publish).start()
         decoders = {name: DecodeService(make_engine(), TcpTransport(), name, LocalPrefillClient({"p0": prefill}),
                                         transfer_timeout_s=10.0, publish=publish).start() for name in DECODERS}
-        # Short prompts are prefilled remotely too: only a cached prefix makes a prefill local.
-        config = RouterConfig(redis_url, publish.cluster, served_model_name=MODEL,
-                              policy=PolicyConfig(policy, local_prefill_max_tokens=8, decode_affinity_slack=slack))
+        # Short prompts are prefilled remotely too: only a cached prefix makes a prefill local. (The other
+        # policies never prefill locally nor read the slack, and refuse both knobs.)
+        policy_config = (PolicyConfig(policy) if slack is None
+                         else PolicyConfig(policy, local_prefill_max_tokens=8, decode_affinity_slack=slack))
+        config = RouterConfig(redis_url, publish.cluster, served_model_name=MODEL, policy=policy_config)
         client = LocalWorkerClient(dict(decoders), {"p0": prefill})
         router = serve_router(config, client, decoders["d0"].loop.engine.tokenizer, min_workers=3)
         made.append((router, [prefill, *decoders.values()]))
@@ -139,7 +142,7 @@ def test_prompt_cache_key_puts_unrelated_prompts_on_its_first_worker(cluster):
 
 def test_under_least_loaded_prompt_cache_key_breaks_the_ties(cluster):
     """The policy that ignores caches still honours the key where the load ties: one key's requests, one worker."""
-    router, services = cluster(4, "least_loaded")
+    router, services = cluster(None, "least_loaded")
     rng = random.Random(3)
     homes = set()
     for key in [f"agent-{i}" for i in range(6)]:

@@ -102,6 +102,15 @@ def test_bad_policy_config_is_refused():
         PolicyConfig(decode_affinity_slack=-1)
 
 
+@pytest.mark.parametrize("policy", ["least_loaded", "round_robin"])
+def test_prefix_aware_knobs_are_refused_under_the_policies_that_do_not_read_them(policy):
+    with pytest.raises(ValueError, match=rf"^prefix_affinity, decode_affinity_slack: only the prefix_aware policy "
+                                         rf"reads this, and the policy is {policy}"):
+        PolicyConfig(policy, prefix_affinity=0.5, decode_affinity_slack=0)
+    assert PolicyConfig(policy).unread_knobs() == []  # the defaults: nothing set, nothing refused
+    assert PolicyConfig(prefix_affinity=0.5, decode_affinity_slack=0).unread_knobs() == []
+
+
 def test_a_decode_worker_caching_the_prompt_keeps_it_within_the_slack():
     # d1 holds 60 of the prompt's 64 blocks (a conversation's earlier turns) and runs 3 more requests than d0:
     # within 4 x 60/64 = 3.75, so it keeps the request; 4 more is past it.
