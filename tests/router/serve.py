@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -30,8 +32,26 @@ class AppServer:
         self.thread.join(timeout=10)
 
 
+# Ray's workers listen on 10002-19999 (its default worker port range).
+_ABOVE_RAY_WORKER_PORTS = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a server that binds it later (``tandem serve`` binds its router's after Ray and the
+    model are up, seconds on). Drawn below the kernel's ephemeral range where it can: every process that binds
+    port 0 meanwhile (Ray's, the embedded Redis) draws from that range, and once took the port first."""
+    ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0]) if _EPHEMERAL_RANGE.exists() else 0
+    if ephemeral_low - _ABOVE_RAY_WORKER_PORTS >= 1000:
+        for _ in range(100):
+            port = random.randrange(_ABOVE_RAY_WORKER_PORTS, ephemeral_low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no such range here: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
