@@ -61,13 +61,16 @@ class _RollingReplay:
 def measure(tokenizer: Tokenizer, batch: int, steps: int, prompt_len: int = 400) -> dict[str, float]:
     # A small vocabulary: the argmax over it is cheap here as it is on a GPU (ids < 4,096 are still the real
     # tokenizer's tokens, so detokenizing costs what it costs).
-    model = tiny_model(seed=1, vocab_size=4096, max_positions=prompt_len + steps + 64)
-    engine = Engine(EngineConfig(num_kv_blocks=batch * ((prompt_len + steps) // 16 + 2) + 16, max_num_seqs=batch),
-                    model=model, tokenizer=tokenizer)
+    # The first requests admitted decode while the last are prefilled (a step's token budget takes a few prompts):
+    # every request's max_tokens leaves room for those tokens, so none finishes while the steps are timed.
+    max_tokens = steps + 20 + prompt_len * batch // 256
+    model = tiny_model(seed=1, vocab_size=4096, max_positions=prompt_len + max_tokens + 64)
+    engine = Engine(EngineConfig(num_kv_blocks=batch * ((prompt_len + max_tokens) // 16 + 2) + 16,
+                                 max_num_seqs=batch), model=model, tokenizer=tokenizer)
     rng = random.Random(0)
     for _ in range(batch):
         engine.add_request([rng.randrange(100, 4000) for _ in range(prompt_len)],
-                           SamplingParams(max_tokens=steps + 20, temperature=0, ignore_eos=True))
+                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     prefill_all(engine)
     # Logits whose argmax differs by row and step: each request's text keeps growing with real tokens.
     logits = torch.randn(batch, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
@@ -85,7 +88,7 @@ def measure(tokenizer: Tokenizer, batch: int, steps: int, prompt_len: int = 400)
         t0 = time.perf_counter()
         result = engine.step()
         walls.append(time.perf_counter() - t0)
-        assert result.is_decode_only and len(result.outputs) == batch
+        assert result.is_decode_only and len(result.outputs) == batch, f"{len(result.outputs)} outputs, not {batch}"
     assert runner.decode_graphs.num_replays >= steps, "every measured step goes through the graphs' staging"
     per = {k: v / steps * 1e3 for k, v in split.seconds.items()}
     per["runner"] = per["execute"] + per["launch"] + per["collect"]
