@@ -1,14 +1,15 @@
 """Goodput at a chat SLO: the default ``tandem serve`` against llama.cpp's ``llama-server`` on this machine.
 
-    .venv/bin/python tests/bench/bench_goodput.py [--rates 0.1,0.3,0.6,1.0,1.4] [--num-requests 24] [--seconds 60]
-        [--llama-server PATH] [--config YAML] [--out runs/goodput] [--report-only]
+    .venv/bin/python tests/bench/bench_goodput.py [--rates 0.1,0.3,0.6,1.0,1.4,2,3,4.5] [--num-requests 24]
+        [--seconds 60] [--llama-server PATH] [--config YAML] [--out runs/goodput] [--report-only]
 
 Both servers run the bundled SmolLM2-135M GGUF, one after the other, driven by the same seeded
 ``tandem loadgen`` workload at each rate: Poisson arrivals, new prompts of 200-500 tokens for every
 request (each rate its own seed, so neither server's prompt cache hits), 64-256 output tokens, a
 quarter of the chats sent without max_tokens (they end at EOS or max_model_len). A request meets the
 SLO with TTFT <= 2 s and TPOT <= 100 ms. Capacity is the highest rate up to which every rate swept has
->= 90% meeting it; the ratio of capacities is the figure of issue 20 (target >= 1.5). The same runs are
+>= 90% meeting it (at the highest rate swept, only a lower bound: printed "at least"); the ratio of
+capacities is the figure of issue 20 (target >= 1.5). The same runs are
 also read at the issue's looser SLO (TTFT <= 5 s, TPOT <= 250 ms), where a peer that meets the chat SLO at
 no rate still has a capacity. Each rate sends at least rate x --seconds requests (a short burst at a high
 rate ends before the queue it builds shows), and a server's sweep stops after a rate where fewer than half
@@ -148,9 +149,20 @@ def capacity(points: dict[float, dict[str, float]], key: str = "attainment") -> 
     return best
 
 
+def at_least(cap: float, rates: list[float]) -> str:
+    """A capacity at the highest rate swept is only a lower bound: the knee lies above the sweep."""
+    return "at least " if cap == max(rates) else ""
+
+
+def rate_text(cap: float, rates: list[float]) -> str:
+    return f"{at_least(cap, rates)}{cap:g} req/s" + (" (the highest rate swept: add higher --rates)"
+                                                      if at_least(cap, rates) else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="0.1,0.3,0.6,1.0,1.4")
+    # Up to 4.5: a 2-core AVX2 host's Tandem passed 0.9, an AVX-512 one's 3 (a sweep stops past its knee).
+    parser.add_argument("--rates", default="0.1,0.3,0.6,1.0,1.4,2,3,4.5")
     parser.add_argument("--num-requests", type=int, default=24, help="the fewest requests a rate")
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="each rate sends at least rate x seconds requests (arrivals over about this long)")
@@ -187,17 +199,19 @@ def main() -> None:
                  for p in (r.get(rate) for r in results.values())]
         print(f"{rate:6g} | " + " | ".join(cells))
     caps = {n: capacity(p) for n, p in results.items()}
-    print("capacity (>= 90% met): " + ", ".join(f"{n} {c:g} req/s" for n, c in caps.items()))
+    print("capacity (>= 90% met): " + ", ".join(f"{n} {rate_text(c, rates)}" for n, c in caps.items()))
     if "llama.cpp" in caps and caps["llama.cpp"]:
-        print(f"tandem / llama.cpp capacity: {caps['tandem'] / caps['llama.cpp']:.2f} (target >= 1.5)")
+        print(f"tandem / llama.cpp capacity: {at_least(caps['tandem'], rates)}"
+              f"{caps['tandem'] / caps['llama.cpp']:.2f} (target >= 1.5)")
     elif "llama.cpp" in caps:
         print("llama.cpp meets the SLO at none of these rates: no capacity ratio (add lower rates)")
     loose = {n: capacity(p, "loose_attainment") for n, p in results.items()}
     print(f"at the looser SLO (TTFT <= {LOOSE_TTFT_MS:.0f} ms, TPOT <= {LOOSE_TPOT_MS:.0f} ms), the same runs: "
           + ", ".join(f"{n} {p[r]['loose_attainment']:.0%} at {r:g}" for n, p in results.items() for r in p))
-    print("capacity at the looser SLO: " + ", ".join(f"{n} {c:g} req/s" for n, c in loose.items()))
+    print("capacity at the looser SLO: " + ", ".join(f"{n} {rate_text(c, rates)}" for n, c in loose.items()))
     if "llama.cpp" in loose and loose["llama.cpp"]:
-        print(f"tandem / llama.cpp capacity at the looser SLO: {loose['tandem'] / loose['llama.cpp']:.2f}")
+        print(f"tandem / llama.cpp capacity at the looser SLO: {at_least(loose['tandem'], rates)}"
+              f"{loose['tandem'] / loose['llama.cpp']:.2f}")
     (out / "summary.json").write_text(json.dumps({"rates": rates, "results": {n: {str(r): p for r, p in pts.items()}
                                                                               for n, pts in results.items()},
                                                   "capacity": caps, "capacity_loose_slo": loose}, indent=1))
