@@ -65,9 +65,13 @@ class KVCacheManager:
         ``new_computed_blocks`` are prefix-cache hits (from ``get_computed_blocks``) joining the
         request's table now; ``request.num_computed_tokens`` must already count them.
         """
+        if not new_computed_blocks and not keep_free:  # a running request's next tokens, every step
+            held = self._req_block_ids.get(request.request_id)
+            if held is not None and request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size:
+                return True  # room in the last block: 15 decode steps of 16, answered in one lookup
         num_needed = self.num_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
         if not num_needed and not new_computed_blocks and keep_free <= self.pool.num_free_blocks:
-            return True  # room in the last block: 15 decode steps of 16
+            return True
         # Reviving an evictable cached block takes it out of the free list too.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_needed + num_revived + keep_free > self.pool.num_free_blocks:
@@ -89,10 +93,12 @@ class KVCacheManager:
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly computed full blocks as prefix cache."""
         bs = self.block_size
+        first = self._num_cached_blocks.get(request.request_id, 0)
+        if request.num_computed_tokens // bs <= first:
+            return  # no block filled since the last call: 15 decode steps of 16
         blocks = self._req_blocks.get(request.request_id)
         if not blocks:
             return
-        first = self._num_cached_blocks.get(request.request_id, 0)
         last = min(request.num_computed_tokens // bs, len(blocks))
         if last <= first:
             return
