@@ -100,16 +100,20 @@ class TransportSection(_Strict):
     timeout_s: float = Field(default=30.0, gt=0)
 
 
+# The policy knobs' defaults are PolicyConfig's: under round_robin and least_loaded it refuses any other value.
+_POLICY = PolicyConfig()
+
+
 class RouterSection(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     policy: Literal["prefix_aware", "round_robin", "least_loaded"] = "prefix_aware"
-    prefill_weight: float = Field(default=1.0, ge=0)
-    load_weight: float = Field(default=1.0, ge=0)
-    local_prefill_max_tokens: int = Field(default=64, ge=0)
-    local_prefill_min_overlap: float = Field(default=0.8, ge=0)
-    prefix_affinity: float = Field(default=0.25, ge=0)
-    decode_affinity_slack: int = Field(default=4, ge=0)
+    prefill_weight: float = Field(default=_POLICY.prefill_weight, ge=0)
+    load_weight: float = Field(default=_POLICY.load_weight, ge=0)
+    local_prefill_max_tokens: int = Field(default=_POLICY.local_prefill_max_tokens, ge=0)
+    local_prefill_min_overlap: float = Field(default=_POLICY.local_prefill_min_overlap, ge=0)
+    prefix_affinity: float = Field(default=_POLICY.prefix_affinity, ge=0)
+    decode_affinity_slack: int = Field(default=_POLICY.decode_affinity_slack, ge=0)
     approx_ttl_s: float = Field(default=2.0, gt=0)
     shutdown_grace_s: int = Field(default=20, ge=0)  # on SIGTERM, in-flight streams get this many seconds
     # A stream whose decode worker dies or fails is resumed on another this many times (0: it ends).

@@ -155,8 +155,9 @@ def at_least(cap: float, rates: list[float]) -> str:
 
 
 def rate_text(cap: float, rates: list[float]) -> str:
-    return f"{at_least(cap, rates)}{cap:g} req/s" + (" (the highest rate swept: add higher --rates)"
-                                                      if at_least(cap, rates) else "")
+    if at_least(cap, rates):
+        return f"at least {cap:g} req/s (the highest rate swept: add higher --rates)"
+    return f"{cap:g} req/s"
 
 
 def main() -> None:
