@@ -27,9 +27,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
+#include "step_phases.h"
 #include "tandem_cpu.h"
 #include "thread_team.h"
 
@@ -248,11 +251,14 @@ void decode_layers_(at::Tensor& h, int64_t stack, const at::Tensor& cos, const a
                   " rows, the heads and sizes need ", out.size(1));
       linear(in, w, format, out, after);
     };
+    using tandem_cpu::StepPhase;
+    tandem_cpu::StepPhaseClock clock;
     for (int64_t i = 0; i < layers; ++i) {
       const at::Tensor* w = weights.data() + i * kPerLayer;
       // The previous layer's MLP output joins h in this layer's fused norm.
       if (i == 0) tandem_cpu::rms_norm_out(h, w[0], eps, x);
       else tandem_cpu::add_rms_norm_out_(h, mlp_out, w[0], eps, x);
+      clock.mark(StepPhase::kAttnNorm);
       // Each of qkv's heads: its bias, RoPE (Q's and K's heads), into this layer's cache (K's and V's), done by
       // the thread that computed it, while it is in that thread's cache: on the leader alone, reading the other
       // core's half, batch 8's RoPE and KV store took ~9.6 us a layer while this VM's two vCPUs sat far apart (the
@@ -279,15 +285,22 @@ void decode_layers_(at::Tensor& h, int64_t stack, const at::Tensor& cos, const a
       multiply(i, 0, x, qkv, &qkv_done);
       for (int64_t head = 0; head < total_heads; ++head)
         if (!head_done[head]) finish_head(head);
+      clock.mark(StepPhase::kQkv);
       tandem_cpu::decode_attention_unchecked(q_heads, layer_cache, tables, lens, scale, o_heads);
+      clock.mark(StepPhase::kAttention);
       // The next layer's KV blocks: the workers pull them in while this layer's MLP runs (batch 8's attention
       // 34-36 -> 26-27 us a layer; after the leader's attention, so as not to compete with it).
       if (i + 1 < layers) tandem_cpu::prefetch_kv(&kv_plan[i + 1]);
       multiply(i, 1, o, o_proj);
+      clock.mark(StepPhase::kOProj);
       tandem_cpu::add_rms_norm_out_(h, o_proj, w[4], eps, x);
+      clock.mark(StepPhase::kMlpNorm);
       multiply(i, 2, x, gate_up);
+      clock.mark(StepPhase::kGateUp);
       tandem_cpu::silu_mul_out(gate_up, act);
+      clock.mark(StepPhase::kSilu);
       multiply(i, 3, act, mlp_out);
+      clock.mark(StepPhase::kDown);
     }
     // The last layer's MLP output joins h: a loop, not at::add_ (a dispatcher call), the same sums.
     float* const out = h.data_ptr<float>();
@@ -298,9 +311,23 @@ void decode_layers_(at::Tensor& h, int64_t stack, const at::Tensor& cos, const a
   tandem_cpu::with_team(run_layers);
 }
 
+bool set_stack_phase_timing(bool on) { return std::exchange(tandem_cpu::step_phase_seconds().on, on); }
+
+// {name: seconds} of each phase summed since the last reset, in a layer's order; `reset` zeroes them after.
+c10::Dict<std::string, double> stack_phase_seconds(bool reset) {
+  tandem_cpu::StepPhaseSeconds& s = tandem_cpu::step_phase_seconds();
+  c10::Dict<std::string, double> out;
+  for (size_t p = 0; p < s.seconds.size(); ++p) out.insert(tandem_cpu::kStepPhaseNames[p], s.seconds[p]);
+  if (reset) s.seconds.fill(0.0);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  // No tensor arguments, so no dispatch key: registered with their definitions (CatchAll).
+  m.def("set_stack_phase_timing(bool on) -> bool", &set_stack_phase_timing);
+  m.def("stack_phase_seconds(bool reset=False) -> Dict(str, float)", &stack_phase_seconds);
   m.class_<DecoderWeights>("DecoderWeights")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("handle", [](const c10::intrusive_ptr<DecoderWeights>& self) { return registry().add(self); });

@@ -172,3 +172,22 @@ def test_a_step_through_a_freed_stacks_number_is_refused(quantized_model) -> Non
     with pytest.raises(RuntimeError, match=f"no packed decoder stack numbered {freed.handle} "):
         freed.run_(h, cos, cos, kv, one.long(), one[None], one + 1, scale=1.0, eps=1e-5)
     assert_stack_matches_loop(quantized_model)
+
+
+def test_the_phase_clock_books_every_phase_and_changes_no_bits(quantized_model) -> None:
+    """set_stack_phase_timing (bench_step_phases.py): while on, each of a layer's phases gets time and the step's
+    outputs stay the loop's; read with reset, it starts again from zero; off, it books nothing."""
+    ops = torch.ops.tandem_cpu
+    was = ops.set_stack_phase_timing(True)
+    try:
+        ops.stack_phase_seconds(True)
+        assert_stack_matches_loop(quantized_model)
+        phases = ops.stack_phase_seconds(True)
+        assert list(phases) == ["attn_norm", "qkv", "attention", "o_proj", "mlp_norm", "gate_up", "silu", "down"]
+        assert all(seconds > 0 for seconds in phases.values()), phases
+        assert not any(ops.stack_phase_seconds(False).values())
+        ops.set_stack_phase_timing(False)
+        assert_stack_matches_loop(quantized_model)
+        assert not any(ops.stack_phase_seconds(False).values())
+    finally:
+        ops.set_stack_phase_timing(was)
