@@ -344,8 +344,8 @@ inline void column_sums(const int8_t* rows, int64_t row_bytes, const int32_t (*q
                         const int32_t (*q_odd)[D / 4], int64_t j0, __m512i* acc) {
   // Two sums a head, the even values' and the odd's: one chain of 2 x D / 4 vpdpwssd a head waited on each result
   // in turn (integers: the same sums in either order).
-  __m512i sum[kH], sum_odd[kH];
-  for (int j = 0; j < kH; ++j) sum[j] = sum_odd[j] = _mm512_setzero_si512();
+  __m512i sum_even[kH], sum_odd[kH];
+  for (int j = 0; j < kH; ++j) sum_even[j] = sum_odd[j] = _mm512_setzero_si512();
   for (int64_t c0 = 0; c0 < D / 4; c0 += 16) {
     __m512i r[16];
     for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(rows + t * row_bytes + 4 * c0);
@@ -361,13 +361,13 @@ inline void column_sums(const int8_t* rows, int64_t row_bytes, const int32_t (*q
         const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(cols[L], 8), 8);
         const __m512i odd = _mm512_srai_epi16(cols[L], 8);
         for (int j = 0; j < kH; ++j) {
-          sum[j] = _mm512_dpwssd_epi32(sum[j], even, _mm512_set1_epi32(q_even[j0 + j][c]));
+          sum_even[j] = _mm512_dpwssd_epi32(sum_even[j], even, _mm512_set1_epi32(q_even[j0 + j][c]));
           sum_odd[j] = _mm512_dpwssd_epi32(sum_odd[j], odd, _mm512_set1_epi32(q_odd[j0 + j][c]));
         }
       }
     }
   }
-  for (int j = 0; j < kH; ++j) acc[j] = _mm512_add_epi32(sum[j], sum_odd[j]);
+  for (int j = 0; j < kH; ++j) acc[j] = _mm512_add_epi32(sum_even[j], sum_odd[j]);
 }
 
 // score_int8 16 tokens at a time, tokens in lanes: each 16 rows of K (64 values at a time) are transposed in
