@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tandem_cpu.h"
 #include "thread_team.h"
 
 namespace tandem_quant {
@@ -67,6 +68,49 @@ inline void quantize_block(const float* x, int8_t* q, float* scale, float* sum) 
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i8);
 }
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")  // run only where cpu_isa.cpp found them (its "avx512_vnni")
+namespace avx512 {
+// quantize_block for n consecutive blocks of x, 16 at a time on 512-bit vectors: their maxima first, then one
+// vdivps each for the 16 blocks' 127 / max and max / 127 (two scalar divides a block were ~half its time), and the
+// sum of a block's int8 values by psadbw. The same operations a lane, so the same bits (the integer sum exactly):
+// 22 -> 13 cycles a block standalone; a batch-8 decode step quantizes ~800 a layer on its leader while the team
+// waits: the stack -2.0% (6 rounds of 30 calls, 0.960-1.008), batch 1 no change.
+inline void quantize_blocks(const float* x, int8_t* q, float* scale, float* sum, int64_t n) {
+  const __m128i bias = _mm_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b0 = 0; b0 < n; b0 += 16) {
+    const int64_t k = n - b0 < 16 ? n - b0 : 16;
+    const __mmask16 valid = static_cast<__mmask16>((1u << k) - 1);
+    alignas(64) float top[16] = {}, inv[16], total[16] = {};
+    for (int64_t i = 0; i < k; ++i) {
+      const float* xb = x + (b0 + i) * kBlock;
+      top[i] = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb)), _mm512_abs_ps(_mm512_loadu_ps(xb + 16))));
+    }
+    const __m512 tops = _mm512_load_ps(top);
+    const __mmask16 positive = _mm512_cmp_ps_mask(tops, _mm512_setzero_ps(), _CMP_GT_OQ);  // else inv 0
+    _mm512_store_ps(inv, _mm512_maskz_div_ps(positive, _mm512_set1_ps(127.f), tops));
+    for (int64_t i = 0; i < k; ++i) {
+      const float* xb = x + (b0 + i) * kBlock;
+      int8_t* qb = q + (b0 + i) * kBlock;
+      const __m512 s = _mm512_set1_ps(inv[i]);
+      const __m128i p0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb), s)));
+      const __m128i p1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16), s)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), p0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), p1);
+      // sum q = sum (q + 128) - 32 * 128, the biased bytes summed by psadbw against zero
+      const __m128i both = _mm_add_epi64(_mm_sad_epu8(_mm_xor_si128(p0, bias), _mm_setzero_si128()),
+                                         _mm_sad_epu8(_mm_xor_si128(p1, bias), _mm_setzero_si128()));
+      total[i] = static_cast<float>(_mm_cvtsi128_si32(both) + _mm_extract_epi32(both, 2) - 32 * 128);
+    }
+    const __m512 scales = _mm512_div_ps(tops, _mm512_set1_ps(127.f));
+    _mm512_mask_storeu_ps(scale + b0, valid, scales);
+    _mm512_mask_storeu_ps(sum + b0, valid, _mm512_mul_ps(scales, _mm512_load_ps(total)));
+  }
+}
+}  // namespace avx512
+#pragma GCC pop_options
+
 // Into this thread's own buffers, reused call to call (valid until its next quantize_x): a decode step quantizes x
 // ~120 times, and fresh vectors were three mallocs each (glibc consolidates its fast bins before every one of
 // 1 KB or more). The buffers keep the largest x seen: a prefill step's, ~1.1 bytes a value (8,192 tokens of the
@@ -82,7 +126,13 @@ inline const QuantizedX& quantize_x(const float* x, int64_t M, int64_t K) {
   out.q.resize(M * K);
   out.scale.resize(M * nb);
   out.sum.resize(M * nb);
+  const bool wide = tandem_cpu::isa() == tandem_cpu::Isa::kAvx512Vnni;
   tandem_cpu::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    if (wide) {
+      avx512::quantize_blocks(x + begin * kBlock, out.q.data() + begin * kBlock, &out.scale[begin], &out.sum[begin],
+                              end - begin);
+      return;
+    }
     for (int64_t i = begin; i < end; ++i)
       quantize_block(x + i * kBlock, out.q.data() + i * kBlock, &out.scale[i], &out.sum[i]);
   });

@@ -97,6 +97,7 @@ def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
     w, _ = random_weight(fmt, 72, 192, seed=3)  # 9 groups of 8: pairs for 512-bit vectors, and one left
     x = torch.randn(130, 192, generator=torch.Generator().manual_seed(3))
     x[:, 5] *= 40
+    x[::3, 64:96] = 0  # a block of zeros (its scale 0) in every third row: x is rounded alike on every set too
     outputs = {}
     row_counts = (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 21, 33, 45, 64, 130)
     for isa in cpu_kernel.instruction_sets():
