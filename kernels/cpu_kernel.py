@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in (
     "paged_decode_cpu.cpp", "paged_prefill_cpu.cpp", "quant_linear_cpu.cpp", "quant_linear_x8_cpu.cpp",
-    "fused_ops_cpu.cpp", "decoder_cpu.cpp", "cpu_isa.cpp", "thread_team.cpp")]
+    "fused_ops_cpu.cpp", "decoder_cpu.cpp", "cpu_isa.cpp", "thread_team.cpp", "sampling_cpu.cpp")]
 HEADERS = sorted((Path(__file__).resolve().parent / "csrc").glob("*.h"))
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_HEADS_PER_KV = 16

@@ -1,14 +1,16 @@
-"""Sampling: seeds reproduce whatever the batch; filters sample the right renormalized distribution."""
+"""Sampling: seeds reproduce whatever the batch; filters sample the right renormalized distribution; the compiled CPU
+sampler picks the torch path's token."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels import cpu_kernel, sampling
 from tests.tiny_model import tiny_model
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.engine.sampler import sample
+from workers.engine.sampler import sample, sample_filtered
 from workers.protocol.sampling_params import SamplingParams
 
 NUM_DRAWS = 20000
@@ -136,3 +138,59 @@ def test_argmax_fast_path_only_for_batches_of_plain_greedy_rows(tiny_engine_fact
         assert len(together[1].top_logprobs) == (6 if other.top_logprobs else 0)
     if knobs.get("logit_bias"):
         assert together[1].token_ids == [4] * 6  # the bias outweighs the model
+
+
+@pytest.fixture(scope="module")
+def compiled_sampler() -> None:
+    if not sampling.supported(torch.zeros(1, 1)):
+        pytest.skip(f"the CPU kernels cannot be built here: {cpu_kernel.unavailable_reason()}")
+
+
+def compiled(logits: torch.Tensor, p: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+    n = logits.shape[0]
+    return sampling.sample_rows(logits, [p.temperature] * n, [p.top_k] * n, [p.top_p] * n, [p.min_p] * n, u)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=0.8, top_k=40), SamplingParams(temperature=1.2, min_p=0.05),
+    SamplingParams(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02),
+    SamplingParams(temperature=0.6, top_p=0.5), SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=1.0, top_p=1e-6), SamplingParams(temperature=2.0, min_p=1.0),
+], ids=["temperature", "top_p", "top_k", "min_p", "all", "top_p_half", "top_k_1", "top_p_tiny", "min_p_1"])
+def test_the_compiled_sampler_picks_the_torch_paths_token(compiled_sampler, params):
+    """kernels/csrc/sampling_cpu.cpp against sample_filtered (the torch statement) with the same uniform numbers, on
+    rows of a real vocabulary's size from peaked to flat, some tokens masked to -inf: the same token every time here
+    (the two may part where a boundary falls within a rounding of top_p or of a CDF step; none does in these rows)."""
+    g = torch.Generator().manual_seed(7)
+    spread = torch.tensor([[0.5], [1.0], [2.0], [4.0], [8.0], [16.0]])
+    logits = torch.randn(6, 49152, generator=g) * spread
+    logits[1, :300] = float("-inf")
+    logits[4, 1000:] = float("-inf")
+    for _ in range(40):
+        u = torch.rand(6, 1, generator=g, dtype=torch.float64)
+        want = sample_filtered(logits, [params] * 6, u)
+        got = compiled(logits, params, u)
+        assert torch.equal(got, want), (got.tolist(), want.tolist())
+
+
+def test_the_compiled_sampler_keeps_ties_in_token_order_and_never_a_masked_token(compiled_sampler):
+    """Equal logits: top-p 0.5 keeps the first half in token order (a sort's order among equals is its own), and
+    draws them evenly; a token at -inf is never drawn, and a row with one token left draws it."""
+    flat = torch.zeros(1, 1000)
+    draws = compiled(flat.expand(4000, -1).contiguous(), SamplingParams(temperature=1.0, top_p=0.5),
+                     torch.rand(4000, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    assert draws.max() < 500 and draws.min() >= 0
+    assert torch.bincount(draws // 100, minlength=5).min() > 600  # five bands of 100 tokens, ~800 each
+    masked = torch.full((3, 64), float("-inf"))
+    masked[0, 17] = 3.0
+    masked[1, [5, 40]] = 0.0
+    masked[2, 63] = -2.0
+    got = compiled(masked, SamplingParams(temperature=0.5, top_p=0.99, min_p=0.1), torch.tensor([0.0, 0.99, 0.5],
+                                                                                              dtype=torch.float64))
+    assert got.tolist() == [17, 40, 63]
+
+
+def test_the_compiled_sampler_refuses_a_greedy_row(compiled_sampler):
+    with pytest.raises(RuntimeError, match="temperature must be > 0"):
+        compiled(torch.zeros(1, 8), SamplingParams(temperature=0.0), torch.zeros(1, dtype=torch.float64))

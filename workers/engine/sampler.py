@@ -6,7 +6,9 @@ distribution the previous one left (renormalized). A random row draws one unifor
 ``torch.Generator`` (``draw``) and inverts the CDF of its filtered distribution: an exact sample of
 p from the same random numbers whatever else is in the batch, so a seeded request reproduces. (The
 exponential race it replaced, argmax of p / Exp(1), drew one number per vocabulary entry: 75 ms a
-step for 64 rows on this CPU, against ~4 ms.)
+step for 64 rows on this CPU, against ~4 ms.) On CPU the filters and the draw run in one compiled call
+(``kernels/sampling.py``), which picks the same token as the torch statement here (``sample_filtered``,
+kept for other devices) without its whole-vocabulary sorts: a batch-8 decode step at top_p 0.9, 10.0 -> 4.4 ms.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kernels import sampling
 from kernels.fused_ops import argmax_rows
 from workers.engine.penalties import apply_penalties
 from workers.engine.structured_output import apply_grammar_masks
@@ -84,6 +87,17 @@ def top_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list
     return out
 
 
+def sample_filtered(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """The torch statement of sampling (any device): each row's filtered distribution (``apply_filters``) through
+    its CDF at u [N, 1] float64 -> [N] token ids."""
+    probs = apply_filters(logits, params).softmax(dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    # The first token whose cumulative mass passes u * total; a token of mass 0 never does.
+    chosen = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    vocab = probs.shape[1]
+    return torch.where(chosen < vocab, chosen, probs.argmax(dim=-1))  # u * total rounded up
+
+
 def draw(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     """The one random number a sampled token consumes: [1], uniform in [0, 1)."""
     return torch.rand(1, generator=generator, device=device)
@@ -115,13 +129,15 @@ def sample(
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        probs = apply_filters(adjusted[rows], [params[i] for i in random_rows]).softmax(dim=-1)
         u = torch.stack([draw(generators[i], logits.device) for i in random_rows]).double()
-        cdf = probs.double().cumsum(dim=-1)
-        # The first token whose cumulative mass passes u * total; a token of mass 0 never does.
-        chosen = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
-        vocab = probs.shape[1]
-        token_ids[rows] = torch.where(chosen < vocab, chosen, probs.argmax(dim=-1))  # u * total rounded up
+        if sampling.supported(adjusted):  # one compiled call, where the torch path below takes ~1 ms a row of top-p
+            chosen_params = [params[i] for i in random_rows]
+            sub = adjusted if len(random_rows) == num_rows else adjusted[rows]  # every row sampled: no copy
+            token_ids[rows] = sampling.sample_rows(
+                sub, [p.temperature for p in chosen_params], [p.top_k for p in chosen_params],
+                [p.top_p for p in chosen_params], [p.min_p for p in chosen_params], u)
+        else:
+            token_ids[rows] = sample_filtered(adjusted[rows], [params[i] for i in random_rows], u)
     logprobs: list[float | None] = [None] * num_rows
     want = [i for i, p in enumerate(params) if p.logprobs]
     if want:
