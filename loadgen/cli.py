@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help='HF dir or .gguf for exact token lengths; "words" to count words (default: bundled model)')
     p.add_argument("--no-ignore-eos", action="store_true", help="don't send ignore_eos")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sent in every request (default 0: greedy; chat clients send ~0.7-1)")
+    p.add_argument("--top-p", type=float, default=None, help="sent in every request where given (e.g. 0.9)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
@@ -95,8 +98,12 @@ def _main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"tandem loadgen: error: {e}", file=sys.stderr)
         return 2
+    if not 0.0 <= args.temperature <= 2.0 or (args.top_p is not None and not 0.0 < args.top_p <= 1.0):
+        print("tandem loadgen: error: --temperature must be in [0, 2] and --top-p in (0, 1]", file=sys.stderr)
+        return 2
     model = args.model or first_model(args.url, api_key(args))
-    cfg = ClientConfig(args.url, model, args.api, args.timeout, not args.no_ignore_eos, api_key=api_key(args))
+    cfg = ClientConfig(args.url, model, args.api, args.timeout, not args.no_ignore_eos, args.temperature,
+                       api_key=api_key(args), top_p=args.top_p)
     text = TokenText(load_tokenizer(args.tokenizer))
     out = Path(args.out)
     if args.sweep_rates or args.find_capacity:
@@ -169,7 +176,8 @@ def run_once(args: argparse.Namespace, cfg: ClientConfig, spec: WorkloadSpec, te
     summary = summarize(records, duration, args.slo_ttft_ms, args.slo_tpot_ms)
     config = {"url": args.url, "model": cfg.model, "api": cfg.api, "rate": spec.rate,
               "concurrency": concurrency, "label": args.label,
-              "interrupted": interrupted, "workload": _spec_json(spec), "seed": spec.seed}
+              "interrupted": interrupted, "workload": _spec_json(spec), "seed": spec.seed,
+              "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p}}
     for f in write_run_report(out, config, summary, records):
         print(f"[loadgen] wrote {f}", file=sys.stderr)
     return summary

@@ -25,6 +25,7 @@ class ClientConfig:
     ignore_eos: bool = True
     temperature: float = 0.0
     api_key: str | None = None  # sent as "Authorization: Bearer KEY"
+    top_p: float | None = None  # sent where set (a chat client's usual 0.9-0.95), else the server's default
 
     @property
     def endpoint(self) -> str:
@@ -38,6 +39,8 @@ def request_body(cfg: ClientConfig, messages: list[dict[str, str]], max_tokens: 
     """``max_tokens`` None: an open-ended chat (no max_tokens, no ignore_eos: it ends at EOS)."""
     body: dict[str, Any] = {"model": cfg.model, "stream": True, "stream_options": {"include_usage": True},
                             "temperature": cfg.temperature}
+    if cfg.top_p is not None:
+        body["top_p"] = cfg.top_p
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
         if cfg.ignore_eos:

@@ -30,12 +30,22 @@ def write_run_report(out: Path, config: dict[str, Any], summary: dict[str, Any],
     return files
 
 
+def _sampling_text(sampling: dict[str, Any] | None) -> str:
+    if not sampling:
+        return "not recorded"
+    if not sampling.get("temperature"):
+        return "greedy (temperature 0)"
+    top_p = sampling.get("top_p")
+    return f"temperature {sampling['temperature']:g}" + ("" if top_p is None else f", top_p {top_p:g}")
+
+
 def run_markdown(config: dict[str, Any], s: dict[str, Any]) -> str:
     lines = [f"# loadgen run: {config.get('url')} ({config.get('model')})", "",
              f"- requests: {s['num_requests']} ({s['num_ok']} ok, {s['num_errors']} errors: "
              f"{s['errors_by_kind'] or 'none'})",
              f"- duration: {s['duration_s']:.1f} s; offered rate: {config.get('rate') or 'closed loop'}"
              f"{'' if config.get('rate') else ', concurrency ' + str(config.get('concurrency'))}",
+             f"- sampling: {_sampling_text(config.get('sampling'))}",
              f"- SLO: TTFT <= {s['slo']['ttft_ms']} ms, TPOT <= {s['slo']['tpot_ms']} ms; "
              f"attainment **{s['slo_attainment']:.1%}**, goodput **{s['goodput_rps']:.2f} req/s**",
              f"- throughput: {s['output_tokens_per_s']:.1f} output tok/s, {s['input_tokens_per_s']:.1f} input tok/s",

@@ -55,6 +55,20 @@ def test_closed_loop_multi_turn_shared_prefix(server_url, tmp_path):
     assert load(out)["summary"]["num_ok"] == 12  # 4 conversations x 3 turns
 
 
+def test_sampling_knobs_go_out_in_every_request_and_into_the_report(server_url, tmp_path):
+    out = tmp_path / "sampled"
+    assert main(["--url", server_url, "--rate", "20", "--num-requests", "3", "--temperature", "0.7", "--top-p", "0.9",
+                 "--out", str(out), *COMMON]) == 0
+    assert load(out)["config"]["sampling"] == {"temperature": 0.7, "top_p": 0.9}
+    assert "- sampling: temperature 0.7, top_p 0.9" in (out / "report.md").read_text()
+    greedy = tmp_path / "greedy"
+    assert main(["--url", server_url, "--rate", "20", "--num-requests", "1", "--out", str(greedy), *COMMON]) == 0
+    assert "- sampling: greedy (temperature 0)" in (greedy / "report.md").read_text()
+    for bad in (["--top-p", "0"], ["--temperature", "3"]):  # refused before a request goes out
+        assert main(["--url", "http://127.0.0.1:9", *bad, "--out", str(tmp_path / "bad"), *COMMON]) == 2
+    assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.parametrize("model, kind", [("bad", "http 400"), ("boom", "http 500"), ("slow", "timeout")])
 def test_server_errors_are_counted(server_url, tmp_path, model, kind):
     out = tmp_path / model

@@ -87,6 +87,9 @@ def test_open_ended_share_leaves_the_rest_of_the_workload_as_it_was():
     cfg = ClientConfig("http://x", "m")
     assert "max_tokens" not in request_body(cfg, [], None) and "ignore_eos" not in request_body(cfg, [], None)
     assert request_body(cfg, [], 8)["max_tokens"] == 8 and request_body(cfg, [], 8)["ignore_eos"]
+    assert request_body(cfg, [], 8)["temperature"] == 0.0 and "top_p" not in request_body(cfg, [], 8)
+    sampled = request_body(ClientConfig("http://x", "m", temperature=0.7, top_p=0.9), [], 8)
+    assert (sampled["temperature"], sampled["top_p"]) == (0.7, 0.9)
     with pytest.raises(ValueError, match="open-ended share"):
         WorkloadSpec(num_requests=1, input_len=LengthSpec.parse("4"), output_len=LengthSpec.parse("4"),
                      open_ended=1.5)
