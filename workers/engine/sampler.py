@@ -6,7 +6,7 @@ distribution the previous one left (renormalized). A random row draws one unifor
 ``torch.Generator`` (``draw``) and inverts the CDF of its filtered distribution: an exact sample of
 p from the same random numbers whatever else is in the batch, so a seeded request reproduces. (The
 exponential race it replaced, argmax of p / Exp(1), drew one number per vocabulary entry: 75 ms a
-step for 64 rows on this CPU, against ~4 ms.) On CPU the filters and the draw run in one compiled call
+step for 64 rows on this CPU, against ~4 ms.) On CPU the filters and the CDF run in one compiled call
 (``kernels/sampling.py``), which picks the same token as the torch statement here (``sample_filtered``,
 kept for other devices) without its whole-vocabulary sorts: a batch-8 decode step at top_p 0.9, 10.0 -> 4.4 ms.
 """
