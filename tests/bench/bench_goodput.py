@@ -1,12 +1,14 @@
 """Goodput at a chat SLO: the default ``tandem serve`` against llama.cpp's ``llama-server`` on this machine.
 
     .venv/bin/python tests/bench/bench_goodput.py [--rates 0.1,0.3,0.6,1.0,1.4,2,3,4.5] [--num-requests 24]
-        [--seconds 60] [--llama-server PATH] [--config YAML] [--out runs/goodput] [--report-only]
+        [--seconds 60] [--llama-server PATH] [--config YAML] [--temperature T] [--top-p P] [--out runs/goodput]
+        [--report-only]
 
 Both servers run the bundled SmolLM2-135M GGUF, one after the other, driven by the same seeded
 ``tandem loadgen`` workload at each rate: Poisson arrivals, new prompts of 200-500 tokens for every
 request (each rate its own seed, so neither server's prompt cache hits), 64-256 output tokens, a
-quarter of the chats sent without max_tokens (they end at EOS or max_model_len). A request meets the
+quarter of the chats sent without max_tokens (they end at EOS or max_model_len), greedy unless --temperature
+(and --top-p) ask for sampled tokens, as chat clients do. A request meets the
 SLO with TTFT <= 2 s and TPOT <= 100 ms. Capacity is the highest rate up to which every rate swept has
 >= 90% meeting it (at the highest rate swept, only a lower bound: printed "at least"); the ratio of
 capacities is the figure of issue 20 (target >= 1.5). The same runs are
@@ -96,11 +98,11 @@ def loose_attainment(report: dict[str, Any]) -> float:
     return sum(r.meets_slo(LOOSE_TTFT_MS, LOOSE_TPOT_MS) for r in records) / max(1, len(records))
 
 
-def run_rate(url: str, rate: float, seed: int, num_requests: int, out: Path) -> dict[str, float]:
+def run_rate(url: str, rate: float, seed: int, num_requests: int, out: Path, sampling: list[str]) -> dict[str, float]:
     cmd = [sys.executable, "-m", "loadgen", "--url", url, "--rate", str(rate), "--num-requests", str(num_requests),
            "--input-len", "uniform:200:500", "--output-len", "uniform:64:256", "--open-ended", "0.25",
            "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS), "--seed", str(seed),
-           "--no-progress", "--out", str(out)]
+           *sampling, "--no-progress", "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return read_point(out)
 
@@ -118,10 +120,14 @@ def sweep(name: str, proc: subprocess.Popen[bytes], url: str, rates: list[float]
     try:
         wait_ready(url, proc, timeout_s=300)
         log(f"{name} ready; warming up")
-        run_rate(url, 0.5, 999, 3, out / name / "warmup")  # the process meets its shapes once
+        sampling = ["--temperature", str(args.temperature)]
+        if args.top_p is not None:
+            sampling += ["--top-p", str(args.top_p)]
+        run_rate(url, 0.5, 999, 3, out / name / "warmup", sampling)  # the process meets its shapes once
         points = {}
         for i, rate in enumerate(rates):
-            points[rate] = run_rate(url, rate, 1000 + i, requests_at(rate, args), out / name / f"rate_{rate:g}")
+            points[rate] = run_rate(url, rate, 1000 + i, requests_at(rate, args), out / name / f"rate_{rate:g}",
+                                    sampling)
             p = points[rate]
             log(f"{name} @ {rate:g} req/s: {p['attainment']:.0%} met, {p['loose_attainment']:.0%} at the looser "
                 f"SLO; TTFT p50 {p['ttft_p50']:.0f} ms, TPOT p50 {p['tpot_p50']:.0f} ms")
@@ -169,6 +175,9 @@ def main() -> None:
                         help="each rate sends at least rate x seconds requests (arrivals over about this long)")
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"))
     parser.add_argument("--config", default=None, help="tandem cluster YAML (default: the built-in default)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sent with every request to both servers (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="sent with every request where given")
     parser.add_argument("--out", default="runs/goodput")
     parser.add_argument("--report-only", action="store_true",
                         help="print the tables from the runs already under --out (no servers started)")
@@ -190,6 +199,7 @@ def main() -> None:
                                          "http://127.0.0.1:8200", rates, args, out)
         else:
             log("no llama-server given (--llama-server or LLAMA_SERVER): Tandem alone")
+    print(f"sampling: temperature {args.temperature:g}" + ("" if args.top_p is None else f", top_p {args.top_p:g}"))
     print(f"SLO: TTFT <= {SLO_TTFT_MS:.0f} ms, TPOT <= {SLO_TPOT_MS:.0f} ms; "
           f"{', '.join(f'{requests_at(r, args)} requests at {r:g}' for r in rates)} req/s")
     print(f"{'rate':>6} | " + " | ".join(f"{n:^38}" for n in results))
