@@ -98,9 +98,11 @@ def random_prompt(rng: random.Random, lens: tuple[int, int]) -> list[int]:
 
 
 def decode_step_seconds(engine: Engine, batch: int, steps: int, rng: random.Random,
-                        prompt_lens: tuple[int, int] = (100, 160)) -> float:
-    """Median seconds of a decode-only step with ``batch`` requests running."""
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+                        prompt_lens: tuple[int, int] = (100, 160), sampling: dict[str, float] | None = None) -> float:
+    """Median seconds of a decode-only step with ``batch`` requests running, sampled with ``sampling``'s
+    knobs (default greedy)."""
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True,
+                            **(sampling or {"temperature": 0.0}))  # type: ignore[arg-type]
     for _ in range(batch):
         engine.add_request(random_prompt(rng, prompt_lens), params)
     times: list[float] = []

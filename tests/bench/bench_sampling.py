@@ -19,18 +19,14 @@ import os
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kernels import cpu_kernel, sampling  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.engine.engine import Engine  # noqa: E402
-from workers.protocol.sampling_params import SamplingParams  # noqa: E402
+from kernels import sampling  # noqa: E402
+from tests.bench.bench_quant_decode import decode_step_seconds  # noqa: E402
+from tests.bench.engine_steps import compiled_cpu_engine  # noqa: E402
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),
@@ -40,34 +36,15 @@ SETTINGS = {
 }
 
 
-def step_ms(engine: Engine, batch: int, knobs: dict[str, float], steps: int, rng: random.Random) -> float:
-    """Median milliseconds of a decode-only step with ``batch`` requests of these sampling knobs."""
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, **knobs)  # type: ignore[arg-type]
-    for _ in range(batch):
-        engine.add_request([rng.randrange(100, 40000) for _ in range(rng.randrange(100, 160))], params)
-    times = []
-    while engine.has_unfinished and len(times) < steps:
-        t0 = time.perf_counter()
-        result = engine.step()
-        if result.is_decode_only and result.num_tokens == batch:
-            times.append(time.perf_counter() - t0)
-    while engine.has_unfinished:
-        engine.step()
-    return statistics.median(times) * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if not cpu_kernel.available():
-        sys.exit(f"the compiled CPU kernels are unavailable: {cpu_kernel.unavailable_reason()}")
-    engine = Engine(EngineConfig(weight_format="gguf", num_kv_blocks=1024, enable_prefix_caching=False))
+    engine = compiled_cpu_engine(args.threads)
     rng = random.Random(0)
-    step_ms(engine, 1, SETTINGS["greedy"], 4, rng)  # warm-up
+    decode_step_seconds(engine, 1, 4, rng)  # warm-up
     compiled_supported = sampling.supported
     results: dict[tuple[str, str, int], list[float]] = {}
     for _ in range(args.rounds):
@@ -77,7 +54,7 @@ def main() -> None:
                 sampling.supported = compiled_supported if path != "torch" else (lambda logits: False)
                 try:
                     for batch in (1, 8):
-                        ms = step_ms(engine, batch, knobs, args.steps, rng)
+                        ms = decode_step_seconds(engine, batch, args.steps, rng, sampling=knobs) * 1e3
                         results.setdefault((name, path, batch), []).append(ms)
                 finally:
                     sampling.supported = compiled_supported

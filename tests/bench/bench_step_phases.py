@@ -32,10 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kernels import cpu_kernel  # noqa: E402
+from tests.bench.bench_quant_decode import random_prompt  # noqa: E402
 from tests.bench.bench_step_team import stack_seconds  # noqa: E402
-from tests.bench.engine_steps import PartTimer  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
+from tests.bench.engine_steps import PartTimer, compiled_cpu_engine  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.protocol.sampling_params import SamplingParams  # noqa: E402
 
@@ -59,7 +58,7 @@ def step_parts(engine: Engine, timer: PartTimer, batch: int, steps: int, rng: ra
     of the forward, and the host's part."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request([rng.randrange(100, 40000) for _ in range(rng.randrange(100, 160))], params)
+        engine.add_request(random_prompt(rng, (100, 160)), params)
     total, counted, stack = 0.0, 0, 0.0
     sums = dict.fromkeys(timer.seconds, 0.0)
     while engine.has_unfinished and counted < steps:
@@ -88,10 +87,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if not cpu_kernel.available():
-        sys.exit(f"the compiled CPU kernels are unavailable: {cpu_kernel.unavailable_reason()}")
-    engine = Engine(EngineConfig(weight_format="gguf", num_kv_blocks=1024, enable_prefix_caching=False))
+    engine = compiled_cpu_engine(args.threads)
     model = engine.model
     assert model.decoder_stack is not None, "the default model's GGUF weights take the compiled stack"
     timer = PartTimer({"head": (model, "_logits"), "forward": (model, "forward")})

@@ -25,8 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels import cpu_kernel  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
+from tests.bench.engine_steps import compiled_cpu_engine  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 
 # name: (step team on, its workers' prefetch plan on)
@@ -63,10 +62,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=170)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if not cpu_kernel.available():
-        sys.exit(f"the compiled CPU kernels are unavailable: {cpu_kernel.unavailable_reason()}")
-    engine = Engine(EngineConfig(weight_format="gguf", num_kv_blocks=1024, enable_prefix_caching=False))
+    engine = compiled_cpu_engine(args.threads)
     print(f"threads {args.threads}; {args.rounds} rounds of {args.steps} stack calls, context {args.context}; "
           f"{', '.join(CONFIGS)} taking turns")
     results: dict[tuple[int, str], list[float]] = {}

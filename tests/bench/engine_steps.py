@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from kernels import cpu_kernel
+from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
+
+
+def compiled_cpu_engine(threads: int) -> Engine:
+    """The default model's engine on ``threads`` threads, its GGUF weights on the compiled CPU kernels (no prefix
+    cache: every prompt is new); exits with the reason where the kernels do not build."""
+    torch.set_num_threads(threads)
+    if not cpu_kernel.available():
+        sys.exit(f"the compiled CPU kernels are unavailable: {cpu_kernel.unavailable_reason()}")
+    return Engine(EngineConfig(weight_format="gguf", num_kv_blocks=1024, enable_prefix_caching=False))
 
 
 def prefill_all(engine: Engine) -> None:
