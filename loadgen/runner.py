@@ -10,9 +10,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-import httpx
-
-from loadgen.client import ClientConfig, send_streaming
+from loadgen.client import ClientConfig, open_session, send_streaming
 from loadgen.metrics import RequestRecord, distribution
 from loadgen.workload import PlannedRequest
 
@@ -24,9 +22,8 @@ async def run_workload(cfg: ClientConfig, workload: list[PlannedRequest], record
                        progress: ProgressFn | None = None) -> float:
     """Run until every conversation is done or ``duration_s`` has passed; returns the run's seconds."""
     clock_zero = time.perf_counter()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     total = sum(len(p.turns) for p in workload)
-    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout_s) as client:
+    async with open_session(cfg) as client:
 
         async def conversation(plan: PlannedRequest, arrival_s: float) -> None:
             history: list[dict[str, str]] = [{"role": "system", "content": plan.system}] if plan.system else []

@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from loadgen.cli import api_key, first_model
-from loadgen.client import ClientConfig, send_streaming
+from loadgen.client import ClientConfig, open_session, send_streaming
 from loadgen.metrics import RequestRecord, distribution
 from loadgen.tokens import TokenText, load_tokenizer
 from loadgen.worker_checks import ClusterWorkers, WorkerFacts
@@ -64,7 +64,7 @@ def plan_cancels(workload: list[PlannedRequest], share: float, seed: int) -> lis
     return plan
 
 
-async def send_until(client: httpx.AsyncClient, cfg: ClientConfig, request: PlannedRequest, record: RequestRecord,
+async def send_until(client: aiohttp.ClientSession, cfg: ClientConfig, request: PlannedRequest, record: RequestRecord,
                      cancel: CancelPoint | None, clock_zero: float) -> bool:
     """Send one request; with a cancel point, abandon it there. True when it was cancelled before its end."""
     messages = [{"role": "user", "content": request.turns[0]}]
@@ -94,7 +94,6 @@ async def run_soak(cfg: ClientConfig, workload: list[PlannedRequest], cancels: l
     cancelled = [False] * len(workload)
     kills: list[dict[str, Any]] = []
     baseline: dict[str, int] = {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
 
     async def chaos() -> None:
         assert workers is not None
@@ -130,7 +129,7 @@ async def run_soak(cfg: ClientConfig, workload: list[PlannedRequest], cancels: l
             say(f"{done}/{len(workload)} done, {sum(cancelled)} cancelled on purpose, "
                 f"{sum(not r.ok and not c for r, c in zip(records, cancelled, strict=True) if r.end_s)} failed")
 
-    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout_s) as client:
+    async with open_session(cfg) as client:
         killer = asyncio.create_task(chaos()) if workers is not None and kill_every_s > 0 else None
         try:
             await asyncio.gather(*(one(i) for i in range(len(workload))))
