@@ -11,14 +11,16 @@ Python loop.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from kernels import cpu_kernel
+from kernels.batch_split import BatchSplitChooser
 from kernels.quant_linear import QuantizedWeight
 
 # As decoder_cpu.cpp reads them.
@@ -44,6 +46,8 @@ class DecoderStack:
     num_kv_heads: int
     # What the step passes: packed's number, while this holds packed (converting the object costs ~30 us a call).
     handle: int
+    # How the threads share each batch size's steps, learned as they run (kernels/batch_split.py).
+    ways: BatchSplitChooser = field(default_factory=BatchSplitChooser, compare=False)
 
     @staticmethod
     def pack(layers: Sequence[LayerTensors], *, num_heads: int, num_kv_heads: int,
@@ -74,8 +78,17 @@ class DecoderStack:
                 and kv_cache.device.type == "cpu")
 
     def run_(self, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slot_mapping: Tensor, block_tables: Tensor,
-             seq_lens: Tensor, *, scale: float, eps: float) -> None:
-        """h [B, hidden] becomes the residual stream after the last layer (the final norm is the caller's)."""
+             seq_lens: Tensor, *, scale: float, eps: float, split: bool | None = None) -> None:
+        """h [B, hidden] becomes the residual stream after the last layer (the final norm is the caller's).
+        ``split``: the batch's rows split among the threads (True) or every matrix's (False); None: the way
+        ``ways`` has learned is faster for this batch size (the same bits either way)."""
+        batch, threads = h.shape[0], torch.get_num_threads()
+        learn = split is None
+        if split is None:
+            split = self.ways.split(batch, threads)
+        t0 = time.perf_counter()
         torch.ops.tandem_cpu.decode_layers_.default(h, self.handle, cos, sin, kv_cache, slot_mapping,
                                                     block_tables, seq_lens, self.num_heads, self.num_kv_heads, scale,
-                                                    eps)
+                                                    eps, threads if split else 1)
+        if learn:
+            self.ways.record(batch, split, time.perf_counter() - t0)

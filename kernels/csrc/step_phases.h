@@ -25,10 +25,11 @@ inline StepPhaseSeconds& step_phase_seconds() {
   return s;
 }
 
-// One step's clock: mark(p) books the time since the last mark to phase p.
+// One step's clock: mark(p) books the time since the last mark to phase p; `booked` false: books nothing (a thread
+// of a split batch other than the first).
 class StepPhaseClock {
  public:
-  StepPhaseClock() : on_(step_phase_seconds().on) {
+  explicit StepPhaseClock(bool booked = true) : on_(booked && step_phase_seconds().on) {
     if (on_) last_ = std::chrono::steady_clock::now();
   }
   void mark(StepPhase phase) {

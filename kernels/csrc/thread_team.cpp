@@ -195,7 +195,10 @@ void prefetch_kv(const KvPrefetch* job) {
   if (Team* team = t_team; team != nullptr && g_prefetch) team->kv_job.store(job, std::memory_order_release);
 }
 
-int64_t num_threads() { return t_team != nullptr ? t_team->size : at::get_num_threads(); }
+int64_t num_threads() {
+  if (t_team != nullptr) return t_team->size;
+  return at::in_parallel_region() ? 1 : at::get_num_threads();  // a parallel region's loops run on its thread alone
+}
 
 namespace detail {
 

@@ -27,7 +27,8 @@ namespace tandem_cpu {
 // or on one thread: just runs body.
 void with_team(c10::function_ref<void()> body);
 
-// The threads a parallel_for shares its range among now: the team's, or at::get_num_threads().
+// The threads a parallel_for shares its range among now: the team's, one inside a parallel region (where
+// at::parallel_for runs on the calling thread), else at::get_num_threads().
 int64_t num_threads();
 
 // Weights a team's prefetched_parallel_for will walk later: `units` rows of `unit_bytes` at `base`, split with

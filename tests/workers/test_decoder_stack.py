@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, quantize
 
 from kernels import cpu_kernel, kv_quant
+from kernels.batch_split import BatchSplitChooser
 from kernels.quant_linear import QuantizedWeight
 from tests.threads import torch_threads
 from tests.tiny_model import random_weights, tiny_config
@@ -64,18 +65,32 @@ def decode_step(model: LlamaModel, kv: torch.Tensor, seed: int, seq_lens: list[i
     return model.forward(ids, positions, kv, md, torch.arange(len(seq_lens)))
 
 
+class Always(BatchSplitChooser):
+    """Every step one way: the batch split among the threads, or not."""
+
+    def __init__(self, split: bool):
+        super().__init__()
+        self.way = split
+
+    def split(self, batch: int, threads: int) -> bool:
+        return self.way
+
+
 def assert_stack_matches_loop(model: LlamaModel, kv_dtype: torch.dtype = torch.float32,
-                              seq_lens: list[int] = SEQ_LENS) -> None:
+                              seq_lens: list[int] = SEQ_LENS, split: bool | None = None) -> None:
+    """``split``: the stack's step run that way (None: the way it has learned)."""
     cfg = model.config
     stack = model.decoder_stack
     assert stack is not None, "quantized fp32 weights on CPU must take the compiled stack"
+    if split is not None:
+        model.decoder_stack = dataclasses.replace(stack, ways=Always(split))
     max_blocks = max(seq_lens) // BLOCK + 1
     kv = torch.randn(cfg.num_layers, 2, len(seq_lens) * max_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim,
                      generator=torch.Generator().manual_seed(1))
     kv = kv_quant.quantize_rows(kv) if kv_dtype == torch.int8 else kv.to(kv_dtype)
     kv_loop = kv.clone()
-    got = decode_step(model, kv, seed=2, seq_lens=seq_lens)
     try:
+        got = decode_step(model, kv, seed=2, seq_lens=seq_lens)
         model.decoder_stack = None
         want = decode_step(model, kv_loop, seed=2, seq_lens=seq_lens)
     finally:
@@ -111,6 +126,34 @@ def test_a_batch_of_nine_on_two_and_three_threads_is_bit_identical(quantized_mod
     for n in (2, 3):
         with torch_threads(n):
             assert_stack_matches_loop(quantized_model, torch.int8, seq_lens=[1, 5, 16, 17, 33, 40, 2, 9, 25])
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_batch_split_among_the_threads_is_bit_identical(quantized_model, threads: int) -> None:
+    """Each thread its own rows through every layer (decode_layers_'s parts): 3 and 9 sequences, every cache
+    dtype, rows cut unevenly (9 on 2 threads); the same logits and K/V as the loop, so as the team's way."""
+    with torch_threads(threads):
+        for kv_dtype in (torch.float32, torch.float16, torch.int8):
+            assert_stack_matches_loop(quantized_model, kv_dtype, split=True)
+        assert_stack_matches_loop(quantized_model, torch.int8, seq_lens=[1, 5, 16, 17, 33, 40, 2, 9, 25], split=True)
+    with torch_threads(2):
+        assert_stack_matches_loop(quantized_tiny_model(), split=True)  # biases, a Q8_0 matrix
+        assert_stack_matches_loop(quantized_model, seq_lens=[7], split=True)  # one row: nothing to split
+
+
+def test_an_error_inside_a_split_step_leaves_the_stack_working(quantized_model) -> None:
+    """A check failing on each thread of a split batch raises once, by name, and the next step runs."""
+    stack = quantized_model.decoder_stack
+    cfg = quantized_model.config
+    h = torch.zeros(2, cfg.hidden_size)
+    kv = torch.zeros(cfg.num_layers, 2, 2, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    two = torch.arange(2, dtype=torch.int32)
+    cos = torch.ones(2, cfg.head_dim)
+    wrong = dataclasses.replace(stack, num_heads=cfg.num_heads + cfg.num_kv_heads)
+    with torch_threads(2), pytest.raises(RuntimeError, match="layer 0: qkv has"):
+        wrong.run_(h, cos, cos, kv, (two * BLOCK).long(), two[:, None], two + 1, scale=1.0, eps=1e-5, split=True)
+    with torch_threads(2):
+        assert_stack_matches_loop(quantized_model, split=True)
 
 
 def test_dense_weights_keep_the_python_loop(dense_model) -> None:
@@ -186,6 +229,9 @@ def test_the_phase_clock_books_every_phase_and_changes_no_bits(quantized_model) 
         assert list(phases) == ["attn_norm", "qkv", "attention", "o_proj", "mlp_norm", "gate_up", "silu", "down"]
         assert all(seconds > 0 for seconds in phases.values()), phases
         assert not any(ops.stack_phase_seconds(False).values())
+        with torch_threads(2):  # a split batch: its first thread's phases
+            assert_stack_matches_loop(quantized_model, split=True)
+        assert all(seconds > 0 for seconds in ops.stack_phase_seconds(True).values())
         ops.set_stack_phase_timing(False)
         assert_stack_matches_loop(quantized_model)
         assert not any(ops.stack_phase_seconds(False).values())

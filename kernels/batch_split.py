@@ -1,0 +1,69 @@
+"""Which way a CPU decode step's threads share its batch, learned while it serves.
+
+The compiled stack (``kernels/csrc/decoder_cpu.cpp``) runs a batch two ways, with the same bits:
+- **team**: every matrix's weight rows split among the threads, the batch's rows together (each weight read once);
+- **split**: the batch's rows split among the threads, each running its rows through every layer alone (every
+  weight read by each thread, nothing handed between them).
+Which is faster depends on the host, and on this 2-vCPU VM it changes by the quarter hour: when its vCPUs sit
+near (one path to memory, ~50 GB/s) the team wins (batch 4: 1.85 against 2.7 ms); when far apart (~75 GB/s,
+lines between the cores dearer) the split does (batch 16 at 450 tokens: 6.5 against 8.1 ms). So the step keeps
+running one way and, every ``explore_every`` steps of a batch size, runs one step the other way; the two steps
+back to back see the same batch and nearly the same context, so their ratio is a fair comparison where step
+times themselves drift with context. A running mean of that ratio switches the way when the other is faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _Choice:
+    split: bool = False  # the way its steps run now
+    steps: int = 0
+    last_s: float | None = None  # the last step's seconds the current way
+    ratio: float | None = None  # running mean of (the other way's seconds) / (this way's), from paired steps
+    explored: int = 0
+
+
+class BatchSplitChooser:
+    """Per batch size: ``split(batch, threads)`` says how to run the next step, ``record(batch, split, seconds)``
+    what it took. Batch 1 (nothing to split) and a single thread always take the team."""
+
+    def __init__(self, explore_every: int = 64, first_explorations: int = 4, first_explore_every: int = 8,
+                 weight: float = 0.25, margin: float = 0.03, min_pairs: int = 2):
+        self.explore_every = explore_every
+        self.first_explorations = first_explorations  # learned sooner: the first few every first_explore_every
+        self.first_explore_every = first_explore_every
+        self.weight = weight  # of a new ratio in the running mean
+        self.margin = margin  # the other way must be this much faster (a share) to switch
+        self.min_pairs = min_pairs  # paired steps before a switch: one step can be an outlier
+        self._choices: dict[int, _Choice] = {}
+
+    def split(self, batch: int, threads: int) -> bool:
+        if batch < 2 or threads < 2:
+            return False
+        c = self._choices.setdefault(batch, _Choice())
+        every = self.first_explore_every if c.explored < self.first_explorations else self.explore_every
+        explore = c.last_s is not None and c.steps % every == every - 1
+        return c.split != explore
+
+    def record(self, batch: int, split: bool, seconds: float) -> None:
+        c = self._choices.get(batch)
+        if c is None:
+            return  # a batch that never splits
+        c.steps += 1
+        if split == c.split:
+            c.last_s = seconds
+            return
+        assert c.last_s is not None  # an exploring step follows one the current way
+        ratio = seconds / c.last_s
+        c.explored += 1
+        c.ratio = ratio if c.ratio is None else (1 - self.weight) * c.ratio + self.weight * ratio
+        if c.explored >= self.min_pairs and c.ratio < 1 - self.margin:
+            # The other way is faster: it becomes the way, and the ratio is now the old way's against it.
+            c.split, c.last_s, c.ratio = split, seconds, 1 / c.ratio
+
+    def ways(self) -> dict[int, bool]:
+        """{batch size: whether its steps run split now}."""
+        return {batch: c.split for batch, c in self._choices.items()}

@@ -1,0 +1,110 @@
+"""The compiled decode stack's two ways of sharing a batch among the threads, side by side, and the engine's
+steps with the way it learns (kernels/batch_split.py).
+
+    .venv/bin/python tests/bench/bench_batch_split.py [--rounds 3] [--steps 30] [--threads N]
+
+1. The stack alone (bench_step_team's calls: fresh random activations over a cache of the given context), median
+   ms at batch 2, 4, 8 and 16, 170 and 450 tokens: **team** (every matrix's rows split among the threads, the
+   batch together) and **split** (each thread its own rows through every layer), in turn within each round, with
+   the memory's read bandwidth measured at the round's start: this VM's two vCPUs sit near (~50 GB/s) or far
+   apart (~75 GB/s) by the quarter hour, and which way wins follows.
+2. Engine decode steps at batch 8 (fresh prompts of 100-160 tokens, bench_quant_decode's) three ways: always the
+   team, always split, and learned (what serves).
+Printed per round; the ratios are split / team (below 1: the split is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from kernels.batch_split import BatchSplitChooser  # noqa: E402
+from tests.bench.bench_quant_decode import decode_step_seconds, read_bandwidth  # noqa: E402
+from tests.bench.engine_steps import compiled_cpu_engine  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+
+CASES = [(2, 170), (4, 170), (8, 170), (16, 170), (8, 450), (16, 450)]
+
+
+class Fixed(BatchSplitChooser):
+    """Every step one way."""
+
+    def __init__(self, split: bool):
+        super().__init__()
+        self.way = split
+
+    def split(self, batch: int, threads: int) -> bool:
+        return self.way
+
+
+def stack_ms(engine: Engine, batch: int, context: int, steps: int, split: bool) -> float:
+    """Median ms of the stack over ``batch`` sequences of ``context`` tokens, run ``split`` or on the team."""
+    model = engine.model
+    cfg = model.config
+    stack = model.decoder_stack
+    assert stack is not None, "the default model's GGUF weights take the compiled stack"
+    kv = engine.runner.kv_cache
+    block = kv.shape[3]
+    blocks = -(-context // block)
+    tables = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
+    slots = (tables[:, (context - 1) // block] * block + (context - 1) % block).long()
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    cos, sin = model.rope.cos_sin(torch.full((batch,), context - 1))
+    h0 = torch.randn(batch, cfg.hidden_size)
+    times = []
+    for _ in range(steps):
+        h = h0.clone()
+        t0 = time.perf_counter()
+        stack.run_(h, cos, sin, kv, slots, tables, lens, scale=model.scale, eps=cfg.rms_norm_eps, split=split)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def engine_ms(engine: Engine, ways: BatchSplitChooser, steps: int, rng: random.Random) -> float:
+    """Median ms of a batch-8 engine decode step with the stack's ways set to ``ways``."""
+    model = engine.model
+    stack = model.decoder_stack
+    assert stack is not None
+    model.decoder_stack = type(stack)(stack.packed, stack.num_heads, stack.num_kv_heads, stack.handle, ways)
+    try:
+        return decode_step_seconds(engine, 8, steps, rng) * 1e3
+    finally:
+        model.decoder_stack = stack
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    engine = compiled_cpu_engine(args.threads)
+    rng = random.Random(0)
+    decode_step_seconds(engine, 1, 8, rng)  # warm-up
+    print(f"threads {args.threads}; medians of {args.steps} calls; split / team below 1: the split is faster")
+    for r in range(args.rounds):
+        gbps = read_bandwidth() / 1e9
+        cells = []
+        for batch, context in CASES:
+            team = stack_ms(engine, batch, context, args.steps, split=False)
+            split = stack_ms(engine, batch, context, args.steps, split=True)
+            cells.append(f"b{batch}/{context}: {team:.2f} / {split:.2f} ({split / team:.2f})")
+        print(f"round {r + 1}, {gbps:.0f} GB/s, stack ms team / split: " + ", ".join(cells), flush=True)
+        steps = {name: engine_ms(engine, ways, args.steps, rng)
+                 for name, ways in (("team", Fixed(False)), ("split", Fixed(True)), ("learned", BatchSplitChooser()))}
+        print(f"round {r + 1}, engine batch-8 step ms: " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
