@@ -14,6 +14,7 @@ times themselves drift with context. A running mean of that ratio switches the w
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 
@@ -28,7 +29,8 @@ class _Choice:
 
 class BatchSplitChooser:
     """Per batch size: ``split(batch, threads)`` says how to run the next step, ``record(batch, split, seconds)``
-    what it took. Batch 1 (nothing to split) and a single thread always take the team."""
+    what it took. Batch 1 (nothing to split) and a single thread always take the team. Each thread that steps an
+    engine learns from its own steps (engines in one process share a model, and so its stack)."""
 
     def __init__(self, explore_every: int = 64, first_explorations: int = 4, first_explore_every: int = 8,
                  weight: float = 0.25, margin: float = 0.03, min_pairs: int = 2):
@@ -38,7 +40,14 @@ class BatchSplitChooser:
         self.weight = weight  # of a new ratio in the running mean
         self.margin = margin  # the other way must be this much faster (a share) to switch
         self.min_pairs = min_pairs  # paired steps before a switch: one step can be an outlier
-        self._choices: dict[int, _Choice] = {}
+        self._local = threading.local()
+
+    @property
+    def _choices(self) -> dict[int, _Choice]:
+        choices: dict[int, _Choice] | None = getattr(self._local, "choices", None)
+        if choices is None:
+            choices = self._local.choices = {}
+        return choices
 
     def split(self, batch: int, threads: int) -> bool:
         if batch < 2 or threads < 2:
@@ -65,5 +74,5 @@ class BatchSplitChooser:
             c.split, c.last_s, c.ratio = split, seconds, 1 / c.ratio
 
     def ways(self) -> dict[int, bool]:
-        """{batch size: whether its steps run split now}."""
+        """{batch size: whether this thread's steps run split now}."""
         return {batch: c.split for batch, c in self._choices.items()}

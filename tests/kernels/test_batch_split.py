@@ -3,6 +3,8 @@ learned from pairs of steps run both ways."""
 
 from __future__ import annotations
 
+import threading
+
 from kernels.batch_split import BatchSplitChooser
 
 
@@ -62,3 +64,20 @@ def test_batch_sizes_learn_apart() -> None:
     serve(chooser, 60, team_s=2e-3, split_s=3e-3, batch=4)
     serve(chooser, 60, team_s=8e-3, split_s=6e-3, batch=16)
     assert chooser.ways() == {4: False, 16: True}
+
+
+def test_each_thread_learns_from_its_own_steps() -> None:
+    """Engines in one process share a model's stack, each stepped on its own thread: one's steps never pair with
+    another's."""
+    chooser = BatchSplitChooser()
+    other: dict[int, bool] = {}
+
+    def elsewhere() -> None:
+        serve(chooser, 60, team_s=2e-3, split_s=3e-3)
+        other.update(chooser.ways())
+
+    serve(chooser, 60, team_s=4e-3, split_s=3e-3)
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert chooser.ways() == {8: True} and other == {8: False}
