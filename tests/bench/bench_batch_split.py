@@ -9,7 +9,8 @@ steps with the way it learns (kernels/batch_split.py).
    the memory's read bandwidth measured at the round's start: this VM's two vCPUs sit near (~50 GB/s) or far
    apart (~75 GB/s) by the quarter hour, and which way wins follows.
 2. Engine decode steps at batch 8 (fresh prompts of 100-160 tokens, bench_quant_decode's) three ways: always the
-   team, always split, and learned (what serves).
+   team, always split, and learned (what serves; one chooser for the whole run, as a worker keeps its own, so
+   from round 2 on it has learned and explores one step in 64).
 Printed per round; the ratios are split / team (below 1: the split is faster).
 """
 
@@ -92,6 +93,7 @@ def main() -> None:
     rng = random.Random(0)
     decode_step_seconds(engine, 1, 8, rng)  # warm-up
     print(f"threads {args.threads}; medians of {args.steps} calls; split / team below 1: the split is faster")
+    learned = BatchSplitChooser()  # one for the run, as a worker keeps its own: it has learned by round 2
     for r in range(args.rounds):
         gbps = read_bandwidth() / 1e9
         cells = []
@@ -101,9 +103,10 @@ def main() -> None:
             cells.append(f"b{batch}/{context}: {team:.2f} / {split:.2f} ({split / team:.2f})")
         print(f"round {r + 1}, {gbps:.0f} GB/s, stack ms team / split: " + ", ".join(cells), flush=True)
         steps = {name: engine_ms(engine, ways, args.steps, rng)
-                 for name, ways in (("team", Fixed(False)), ("split", Fixed(True)), ("learned", BatchSplitChooser()))}
-        print(f"round {r + 1}, engine batch-8 step ms: " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()),
-              flush=True)
+                 for name, ways in (("team", Fixed(False)), ("split", Fixed(True)), ("learned", learned))}
+        way = "split" if learned.ways().get(8) else "team"
+        print(f"round {r + 1}, engine batch-8 step ms: " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items())
+              + f" (learned: {way} now)", flush=True)
 
 
 if __name__ == "__main__":
