@@ -6,10 +6,14 @@ The compiled stack (``kernels/csrc/decoder_cpu.cpp``) runs a batch two ways, wit
   weight read by each thread, nothing handed between them).
 Which is faster depends on the host, and on this 2-vCPU VM it changes by the quarter hour: when its vCPUs sit
 near (one path to memory, ~50 GB/s) the team wins (batch 4: 1.85 against 2.7 ms); when far apart (~75 GB/s,
-lines between the cores dearer) the split does (batch 16 at 450 tokens: 6.5 against 8.1 ms). So the step keeps
-running one way and, every ``explore_every`` steps of a batch size, runs one step the other way; the two steps
-back to back see the same batch and nearly the same context, so their ratio is a fair comparison where step
-times themselves drift with context. A running mean of that ratio switches the way when the other is faster.
+lines between the cores dearer) the split does (batch 16 at 450 tokens: 6.5 against 8.1 ms); the state has
+flipped within ten seconds. So the step keeps running one way and now and then runs one step of a batch size the
+other way; the two steps back to back see the same batch and nearly the same context, so their ratio is a fair
+comparison where step times themselves drift with context. A running mean of that ratio switches the way when
+the other is faster. The other way is tried every ``explore_every`` steps, but every ``soon_every`` while the
+choice is new (its first ``first_explorations`` pairs, and again after each switch) or the last pair found the
+other way faster: a flip of the host is followed within a few dozen steps, and a settled choice costs one step
+in 64 run the slower way (~0.2% at batch 8 here).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ class _Choice:
     steps: int = 0
     last_s: float | None = None  # the last step's seconds the current way
     ratio: float | None = None  # running mean of (the other way's seconds) / (this way's), from paired steps
-    explored: int = 0
+    explored: int = 0  # pairs since the choice was made
+    next_explore: int = 0  # the step that runs the other way
 
 
 class BatchSplitChooser:
@@ -32,11 +37,11 @@ class BatchSplitChooser:
     what it took. Batch 1 (nothing to split) and a single thread always take the team. Each thread that steps an
     engine learns from its own steps (engines in one process share a model, and so its stack)."""
 
-    def __init__(self, explore_every: int = 64, first_explorations: int = 4, first_explore_every: int = 8,
+    def __init__(self, explore_every: int = 64, soon_every: int = 8, first_explorations: int = 4,
                  weight: float = 0.25, margin: float = 0.03, min_pairs: int = 2):
         self.explore_every = explore_every
-        self.first_explorations = first_explorations  # learned sooner: the first few every first_explore_every
-        self.first_explore_every = first_explore_every
+        self.soon_every = soon_every
+        self.first_explorations = first_explorations
         self.weight = weight  # of a new ratio in the running mean
         self.margin = margin  # the other way must be this much faster (a share) to switch
         self.min_pairs = min_pairs  # paired steps before a switch: one step can be an outlier
@@ -52,9 +57,10 @@ class BatchSplitChooser:
     def split(self, batch: int, threads: int) -> bool:
         if batch < 2 or threads < 2:
             return False
-        c = self._choices.setdefault(batch, _Choice())
-        every = self.first_explore_every if c.explored < self.first_explorations else self.explore_every
-        explore = c.last_s is not None and c.steps % every == every - 1
+        c = self._choices.get(batch)
+        if c is None:
+            c = self._choices[batch] = _Choice(next_explore=self.soon_every - 1)
+        explore = c.last_s is not None and c.steps >= c.next_explore
         return c.split != explore
 
     def record(self, batch: int, split: bool, seconds: float) -> None:
@@ -70,8 +76,11 @@ class BatchSplitChooser:
         c.explored += 1
         c.ratio = ratio if c.ratio is None else (1 - self.weight) * c.ratio + self.weight * ratio
         if c.explored >= self.min_pairs and c.ratio < 1 - self.margin:
-            # The other way is faster: it becomes the way, and the ratio is now the old way's against it.
-            c.split, c.last_s, c.ratio = split, seconds, 1 / c.ratio
+            # The other way is faster: it becomes the way (the ratio now the old way's against it), and is checked
+            # soon again.
+            c.split, c.last_s, c.ratio, c.explored = split, seconds, 1 / c.ratio, 0
+        soon = c.explored < self.first_explorations or ratio < 1
+        c.next_explore = c.steps + (self.soon_every if soon else self.explore_every) - 1
 
     def ways(self) -> dict[int, bool]:
         """{batch size: whether this thread's steps run split now}."""

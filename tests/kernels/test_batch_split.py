@@ -36,15 +36,18 @@ def test_the_way_follows_the_host_when_it_changes() -> None:
     chooser = BatchSplitChooser()
     serve(chooser, 60, team_s=4.0e-3, split_s=3.0e-3)
     assert chooser.ways() == {8: True}
-    serve(chooser, 64 * 6, team_s=2.0e-3, split_s=2.8e-3)  # the machine's state flipped: the team wins now
+    for _ in range(200):  # settled: the team tried one step in 64
+        serve(chooser, 1, team_s=4.0e-3, split_s=3.0e-3)
+    ways = serve(chooser, 100, team_s=2.0e-3, split_s=2.8e-3)  # the machine's state flipped: the team wins now
     assert chooser.ways() == {8: False}
+    assert ways[-30:].count(True) <= 4  # back on the team within ~70 steps (the split now and then, checked)
 
 
 def test_a_close_call_or_one_outlier_does_not_switch() -> None:
     chooser = BatchSplitChooser()
     serve(chooser, 200, team_s=4.0e-3, split_s=3.95e-3)  # within the margin
     assert chooser.ways() == {8: False}
-    chooser = BatchSplitChooser(min_pairs=2, first_explore_every=8)
+    chooser = BatchSplitChooser(min_pairs=2, soon_every=8)
     for _ in range(7):  # the team's steps up to the first exploring one
         chooser.record(8, chooser.split(8, 2), 4.0e-3)
     assert chooser.split(8, 2) is True  # exploring
