@@ -13,11 +13,12 @@ comparison where step times themselves drift with context. A running mean of tha
 the other is faster. The other way is tried every ``explore_every`` steps, but every ``soon_every`` while the
 choice is new (its first ``first_explorations`` pairs, and again after each switch) or the last pair found the
 other way faster: a flip of the host is followed within a few dozen steps, and a settled choice costs one step
-in 64 run the slower way (~0.2% at batch 8 here).
+in 64 run the slower way (~0.2% at batch 8 here). ``TANDEM_BATCH_SPLIT=0`` keeps every step on the team (A/B runs).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class BatchSplitChooser:
         self.weight = weight  # of a new ratio in the running mean
         self.margin = margin  # the other way must be this much faster (a share) to switch
         self.min_pairs = min_pairs  # paired steps before a switch: one step can be an outlier
+        self.enabled = os.environ.get("TANDEM_BATCH_SPLIT") != "0"
         self._local = threading.local()
 
     @property
@@ -55,7 +57,7 @@ class BatchSplitChooser:
         return choices
 
     def split(self, batch: int, threads: int) -> bool:
-        if batch < 2 or threads < 2:
+        if batch < 2 or threads < 2 or not self.enabled:
             return False
         c = self._choices.get(batch)
         if c is None:

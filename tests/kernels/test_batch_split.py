@@ -62,6 +62,12 @@ def test_nothing_to_split_never_splits() -> None:
     assert chooser.ways() == {}
 
 
+def test_turned_off_it_never_splits(monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_BATCH_SPLIT", "0")
+    chooser = BatchSplitChooser()
+    assert not any(serve(chooser, 100, team_s=4e-3, split_s=1e-3))
+
+
 def test_batch_sizes_learn_apart() -> None:
     chooser = BatchSplitChooser()
     serve(chooser, 60, team_s=2e-3, split_s=3e-3, batch=4)
