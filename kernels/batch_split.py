@@ -12,8 +12,9 @@ other way; the two steps back to back see the same batch and nearly the same con
 comparison where step times themselves drift with context. A running mean of that ratio switches the way when
 the other is faster. The other way is tried every ``explore_every`` steps, but every ``soon_every`` while the
 choice is new (its first ``first_explorations`` pairs, and again after each switch) or the last pair found the
-other way faster: a flip of the host is followed within a few dozen steps, and a settled choice costs one step
-in 64 run the slower way (~0.2% at batch 8 here). ``TANDEM_BATCH_SPLIT=0`` keeps every step on the team (A/B runs).
+other way faster: a flip of the host is followed within ~50 steps (a pair's ratio varies by a few percent; the
+mean of two or three moves past the margin), and a settled choice costs one step in 32 run the slower way (~0.4%
+at batch 8 here). ``TANDEM_BATCH_SPLIT=0`` keeps every step on the team (A/B runs).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class BatchSplitChooser:
     what it took. Batch 1 (nothing to split) and a single thread always take the team. Each thread that steps an
     engine learns from its own steps (engines in one process share a model, and so its stack)."""
 
-    def __init__(self, explore_every: int = 64, soon_every: int = 8, first_explorations: int = 4,
-                 weight: float = 0.25, margin: float = 0.03, min_pairs: int = 2):
+    def __init__(self, explore_every: int = 32, soon_every: int = 8, first_explorations: int = 4,
+                 weight: float = 0.5, margin: float = 0.03, min_pairs: int = 2):
         self.explore_every = explore_every
         self.soon_every = soon_every
         self.first_explorations = first_explorations
