@@ -4,17 +4,17 @@ The compiled stack (``kernels/csrc/decoder_cpu.cpp``) runs a batch two ways, wit
 - **team**: every matrix's weight rows split among the threads, the batch's rows together (each weight read once);
 - **split**: the batch's rows split among the threads, each running its rows through every layer alone (every
   weight read by each thread, nothing handed between them).
-Which is faster depends on the host, and on this 2-vCPU VM it changes by the quarter hour: when its vCPUs sit
-near (one path to memory, ~50 GB/s) the team wins (batch 4: 1.85 against 2.7 ms); when far apart (~75 GB/s,
-lines between the cores dearer) the split does (batch 16 at 450 tokens: 6.5 against 8.1 ms); the state has
-flipped within ten seconds. So the step keeps running one way and now and then runs one step of a batch size the
-other way; the two steps back to back see the same batch and nearly the same context, so their ratio is a fair
-comparison where step times themselves drift with context. A running mean of that ratio switches the way when
+Which is faster depends on the host, and on this 2-vCPU VM it changes by the minute: when its vCPUs sit near (one
+path to memory, ~50 GB/s) the team wins (batch 4: 1.85 against 2.7 ms); when far apart (~75 GB/s, lines between the
+cores dearer) the split does (batch 16 at 450 tokens: 6.5 against 8.1 ms); the state has flipped within ten
+seconds, and held for a quarter hour. So the step keeps running one way and now and then runs one step of a batch
+size the other way; the two steps back to back see the same batch and nearly the same context, so their ratio is a
+fair comparison where step times themselves drift with context. A running mean of that ratio switches the way when
 the other is faster. The other way is tried every ``explore_every`` steps, but every ``soon_every`` while the
 choice is new (its first ``first_explorations`` pairs, and again after each switch) or the last pair found the
-other way faster: a flip of the host is followed within ~50 steps (a pair's ratio varies by a few percent; the
-mean of two or three moves past the margin), and a settled choice costs one step in 32 run the slower way (~0.4%
-at batch 8 here). ``TANDEM_BATCH_SPLIT=0`` keeps every step on the team (A/B runs).
+other way faster: a flip of the host is followed within ~50 steps (a pair's ratio varies by a few percent; the mean
+of two or three moves past the margin), and a settled choice costs one step in 32 run the slower way (~0.4% at
+batch 8 here). ``TANDEM_BATCH_SPLIT=0`` keeps every step on the team (A/B runs).
 """
 
 from __future__ import annotations

@@ -301,7 +301,7 @@ void decode_rows(at::Tensor& h, const DecoderWeights& packed, const at::Tensor& 
 // through every layer on its own thread: no hand-off between threads inside the stack, and every thread reads
 // every weight. When the two vCPUs of this VM sit far apart (the fast-bus state: more bandwidth, dearer lines
 // between the cores), batch 16 at 450 tokens took 6.5 ms this way against 8.1 on the team; when near, batch 4 took
-// 2.7 against 1.85 (kernels/decoder_stack.py learns which while it serves). Same bits either way: a row's
+// 2.7 against 1.85 (kernels/batch_split.py learns which while it serves). Same bits either way: a row's
 // kernels do not depend on the others'.
 void decode_layers_(at::Tensor& h, int64_t stack, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
