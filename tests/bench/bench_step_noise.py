@@ -12,10 +12,12 @@ takes a share of a core in 1 ms periods (busy 0.3 ms of each, then 0.5 ms), side
 the step, its slowdown against quiet, and the slowdown if the team only lost the CPU time taken (its threads
 over the cores left to them, where they outnumber those).
 
-Seen on the 2-vCPU EPYC (2026-11-28, memory in its fast state), 2 threads: batch 1 1.85 ms quiet, 1.37x beside 30%
-of a core, 1.80x beside 50% (1.18x and 1.33x if only the CPU were lost); batch 8 4.31 ms, 1.45x, 1.83x. One thread:
-2.67 and 5.56 ms, and no slower beside either (the neighbour takes the other core). Spinning less (GOMP_SPINCOUNT,
-OMP_WAIT_POLICY=passive) or having the waiting worker yield its core did not move the 2-thread figures.
+Seen on the 2-vCPU EPYC (2026-11-28, memory in its fast state), 2 threads on the team (before the batch split):
+batch 1 1.85 ms quiet, 1.37x beside 30% of a core, 1.80x beside 50% (1.18x and 1.33x if only the CPU were lost);
+batch 8 4.31 ms, 1.45x, 1.83x. One thread: 2.67 and 5.56 ms, and no slower beside either (the neighbour takes the
+other core). Spinning less (GOMP_SPINCOUNT, OMP_WAIT_POLICY=passive) or having the waiting worker yield its core did
+not move the 2-thread figures. Later, back to back: batch 8 with the learned batch split (kernels/batch_split.py)
+1.35x and 1.74x, with TANDEM_BATCH_SPLIT=0 1.49x and 2.02x (a split thread works on while the other is preempted).
 """
 
 from __future__ import annotations
