@@ -3,7 +3,7 @@ steps with the way it learns (kernels/batch_split.py).
 
     .venv/bin/python tests/bench/bench_batch_split.py [--rounds 3] [--steps 30] [--threads N]
 
-1. The stack alone (bench_step_team's calls: fresh random activations over a cache of the given context), median
+1. The stack alone (bench_step_team's stack_seconds: fresh random activations over a cache of the given context), median
    ms at batch 2, 4, 8 and 16, 170 and 450 tokens: **team** (every matrix's rows split among the threads, the
    batch together) and **split** (each thread its own rows through every layer), in turn within each round, with
    the memory's read bandwidth measured at the round's start: this VM's two vCPUs sit near (~50 GB/s) or far
@@ -17,20 +17,18 @@ Printed per round; the ratios are split / team (below 1: the split is faster).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kernels.batch_split import BatchSplitChooser  # noqa: E402
 from tests.bench.bench_quant_decode import decode_step_seconds, read_bandwidth  # noqa: E402
+from tests.bench.bench_step_team import stack_seconds  # noqa: E402
 from tests.bench.engine_steps import compiled_cpu_engine  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 
@@ -48,35 +46,12 @@ class Fixed(BatchSplitChooser):
         return self.way
 
 
-def stack_ms(engine: Engine, batch: int, context: int, steps: int, split: bool) -> float:
-    """Median ms of the stack over ``batch`` sequences of ``context`` tokens, run ``split`` or on the team."""
-    model = engine.model
-    cfg = model.config
-    stack = model.decoder_stack
-    assert stack is not None, "the default model's GGUF weights take the compiled stack"
-    kv = engine.runner.kv_cache
-    block = kv.shape[3]
-    blocks = -(-context // block)
-    tables = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
-    slots = (tables[:, (context - 1) // block] * block + (context - 1) % block).long()
-    lens = torch.full((batch,), context, dtype=torch.int32)
-    cos, sin = model.rope.cos_sin(torch.full((batch,), context - 1))
-    h0 = torch.randn(batch, cfg.hidden_size)
-    times = []
-    for _ in range(steps):
-        h = h0.clone()
-        t0 = time.perf_counter()
-        stack.run_(h, cos, sin, kv, slots, tables, lens, scale=model.scale, eps=cfg.rms_norm_eps, split=split)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def engine_ms(engine: Engine, ways: BatchSplitChooser, steps: int, rng: random.Random) -> float:
     """Median ms of a batch-8 engine decode step with the stack's ways set to ``ways``."""
     model = engine.model
     stack = model.decoder_stack
     assert stack is not None
-    model.decoder_stack = type(stack)(stack.packed, stack.num_heads, stack.num_kv_heads, stack.handle, ways)
+    model.decoder_stack = dataclasses.replace(stack, ways=ways)
     try:
         return decode_step_seconds(engine, 8, steps, rng) * 1e3
     finally:
@@ -98,8 +73,8 @@ def main() -> None:
         gbps = read_bandwidth() / 1e9
         cells = []
         for batch, context in CASES:
-            team = stack_ms(engine, batch, context, args.steps, split=False)
-            split = stack_ms(engine, batch, context, args.steps, split=True)
+            team = stack_seconds(engine, batch, context, args.steps) * 1e3
+            split = stack_seconds(engine, batch, context, args.steps, split=True) * 1e3
             cells.append(f"b{batch}/{context}: {team:.2f} / {split:.2f} ({split / team:.2f})")
         print(f"round {r + 1}, {gbps:.0f} GB/s, stack ms team / split: " + ", ".join(cells), flush=True)
         steps = {name: engine_ms(engine, ways, args.steps, rng)

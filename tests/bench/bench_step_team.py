@@ -32,8 +32,10 @@ from workers.engine.engine import Engine  # noqa: E402
 CONFIGS = {"no team": (False, False), "team": (True, False), "team + prefetch": (True, True)}
 
 
-def stack_seconds(engine: Engine, batch: int, context: int, steps: int) -> float:
-    """Median seconds of the compiled stack over ``batch`` sequences of ``context`` tokens (the last one new)."""
+def stack_seconds(engine: Engine, batch: int, context: int, steps: int, split: bool = False) -> float:
+    """Median seconds of the compiled stack over ``batch`` sequences of ``context`` tokens (the last one new), on
+    the team (every matrix's rows split among the threads) or, ``split``, the batch's rows split among them: one
+    way, not the one the stack learns as it serves (kernels/batch_split.py)."""
     model = engine.model
     cfg = model.config
     stack = model.decoder_stack
@@ -50,7 +52,7 @@ def stack_seconds(engine: Engine, batch: int, context: int, steps: int) -> float
     for _ in range(steps):
         h = h0.clone()
         t0 = time.perf_counter()
-        stack.run_(h, cos, sin, kv, slots, tables, lens, scale=model.scale, eps=cfg.rms_norm_eps)
+        stack.run_(h, cos, sin, kv, slots, tables, lens, scale=model.scale, eps=cfg.rms_norm_eps, split=split)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
