@@ -17,6 +17,7 @@ from kernels.quant_linear import QuantizedWeight
 from tests.threads import torch_threads
 from tests.tiny_model import random_weights, tiny_config
 from workers.model.attention_metadata import AttentionMetadata
+from workers.model.config import ModelConfig
 from workers.model.llama import LlamaModel
 
 BLOCK = 16
@@ -141,17 +142,23 @@ def test_a_batch_split_among_the_threads_is_bit_identical(quantized_model, threa
         assert_stack_matches_loop(quantized_model, seq_lens=[7], split=True)  # one row: nothing to split
 
 
+def blank_step(cfg: ModelConfig, rows: int = 1, layers: int | None = None) -> dict[str, torch.Tensor]:
+    """run_'s tensors for ``rows`` sequences of one token each (row i in block i) over a zero cache of ``layers``
+    (default the model's): for calls that must fail, or whose values nobody reads."""
+    ids = torch.arange(rows, dtype=torch.int32)
+    cos = torch.ones(rows, cfg.head_dim)
+    return {"h": torch.zeros(rows, cfg.hidden_size), "cos": cos, "sin": cos,
+            "kv_cache": torch.zeros(layers or cfg.num_layers, 2, rows, BLOCK, cfg.num_kv_heads, cfg.head_dim),
+            "slot_mapping": (ids * BLOCK).long(), "block_tables": ids[:, None], "seq_lens": ids + 1}
+
+
 def test_an_error_inside_a_split_step_leaves_the_stack_working(quantized_model) -> None:
     """A check failing on each thread of a split batch raises once, by name, and the next step runs."""
     stack = quantized_model.decoder_stack
     cfg = quantized_model.config
-    h = torch.zeros(2, cfg.hidden_size)
-    kv = torch.zeros(cfg.num_layers, 2, 2, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    two = torch.arange(2, dtype=torch.int32)
-    cos = torch.ones(2, cfg.head_dim)
     wrong = dataclasses.replace(stack, num_heads=cfg.num_heads + cfg.num_kv_heads)
     with torch_threads(2), pytest.raises(RuntimeError, match="layer 0: qkv has"):
-        wrong.run_(h, cos, cos, kv, (two * BLOCK).long(), two[:, None], two + 1, scale=1.0, eps=1e-5, split=True)
+        wrong.run_(**blank_step(cfg, rows=2), scale=1.0, eps=1e-5, split=True)
     with torch_threads(2):
         assert_stack_matches_loop(quantized_model, split=True)
 
@@ -164,12 +171,8 @@ def test_the_stack_refuses_a_malformed_call(quantized_model) -> None:
     stack = quantized_model.decoder_stack
     assert stack is not None
     cfg = quantized_model.config
-    h = torch.zeros(1, cfg.hidden_size)
-    kv = torch.zeros(cfg.num_layers - 1, 2, 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)  # one layer short
-    one = torch.zeros(1, dtype=torch.int32)
-    cos = torch.ones(1, cfg.head_dim)
     with pytest.raises(RuntimeError, match="one layer per 7 weights"):
-        stack.run_(h, cos, cos, kv, one.long(), one[None], one + 1, scale=1.0, eps=1e-5)
+        stack.run_(**blank_step(cfg, layers=cfg.num_layers - 1), scale=1.0, eps=1e-5)  # one layer short
 
 
 def test_the_stack_refuses_an_empty_batch(quantized_model) -> None:
@@ -188,13 +191,9 @@ def test_an_error_inside_the_step_leaves_the_stack_working(quantized_model) -> N
     thread team (kernels/csrc/thread_team.h); the team's threads are released and the next step runs."""
     stack = quantized_model.decoder_stack
     cfg = quantized_model.config
-    h = torch.zeros(1, cfg.hidden_size)
-    kv = torch.zeros(cfg.num_layers, 2, 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    one = torch.zeros(1, dtype=torch.int32)
-    cos = torch.ones(1, cfg.head_dim)
     wrong = dataclasses.replace(stack, num_heads=cfg.num_heads + cfg.num_kv_heads)
     with pytest.raises(RuntimeError, match="layer 0: qkv has"):
-        wrong.run_(h, cos, cos, kv, one.long(), one[None], one + 1, scale=1.0, eps=1e-5)
+        wrong.run_(**blank_step(cfg), scale=1.0, eps=1e-5)
     assert_stack_matches_loop(quantized_model)
 
 
@@ -208,12 +207,8 @@ def test_a_step_through_a_freed_stacks_number_is_refused(quantized_model) -> Non
     assert copy is not None and copy.handle != stack.handle and copy.packed.handle() == copy.handle
     freed = dataclasses.replace(copy, packed=None)
     del copy
-    h = torch.zeros(1, cfg.hidden_size)
-    kv = torch.zeros(cfg.num_layers, 2, 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    one = torch.zeros(1, dtype=torch.int32)
-    cos = torch.ones(1, cfg.head_dim)
     with pytest.raises(RuntimeError, match=f"no packed decoder stack numbered {freed.handle} "):
-        freed.run_(h, cos, cos, kv, one.long(), one[None], one + 1, scale=1.0, eps=1e-5)
+        freed.run_(**blank_step(cfg), scale=1.0, eps=1e-5)
     assert_stack_matches_loop(quantized_model)
 
 
