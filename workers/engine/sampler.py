@@ -130,14 +130,14 @@ def sample(
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         u = torch.stack([draw(generators[i], logits.device) for i in random_rows]).double()
+        chosen_params = [params[i] for i in random_rows]
         if sampling.supported(adjusted):  # one compiled call, where the torch path below takes ~1 ms a row of top-p
-            chosen_params = [params[i] for i in random_rows]
             sub = adjusted if len(random_rows) == num_rows else adjusted[rows]  # every row sampled: no copy
             token_ids[rows] = sampling.sample_rows(
                 sub, [p.temperature for p in chosen_params], [p.top_k for p in chosen_params],
                 [p.top_p for p in chosen_params], [p.min_p for p in chosen_params], u)
         else:
-            token_ids[rows] = sample_filtered(adjusted[rows], [params[i] for i in random_rows], u)
+            token_ids[rows] = sample_filtered(adjusted[rows], chosen_params, u)
     logprobs: list[float | None] = [None] * num_rows
     want = [i for i, p in enumerate(params) if p.logprobs]
     if want:
