@@ -27,7 +27,7 @@ M = TypeVar("M")
 
 
 def pack(message: Any) -> bytes:
-    return msgpack.packb(dataclasses.asdict(message), use_bin_type=True)
+    return msgpack.packb(_fields_dict(message), use_bin_type=True)
 
 
 def unpack(cls: type[M], data: bytes) -> M:
@@ -36,7 +36,18 @@ def unpack(cls: type[M], data: bytes) -> M:
 
 def pack_list(messages: Sequence[Any]) -> bytes:
     """Several messages in one msgpack array (a decode step's chunks for one router)."""
-    return msgpack.packb([dataclasses.asdict(m) for m in messages], use_bin_type=True)
+    return msgpack.packb([_fields_dict(m) for m in messages], use_bin_type=True)
+
+
+def _fields_dict(message: Any) -> dict[str, Any]:
+    """A message's fields by name, a dataclass field as its own dict: what ``_build`` rebuilds. Not
+    ``dataclasses.asdict``, which deep-copies every list (a decode step's 8 chunks: 94 us against 11)."""
+    names, nested = _fields_of(type(message))
+    fields = {name: getattr(message, name) for name in names}
+    for name in nested:
+        if fields[name] is not None:
+            fields[name] = _fields_dict(fields[name])
+    return fields
 
 
 def unpack_list(cls: type[M], data: bytes) -> list[M]:
@@ -45,7 +56,7 @@ def unpack_list(cls: type[M], data: bytes) -> list[M]:
 
 def _build(cls: type[M], fields: dict[str, Any]) -> M:
     names, nested = _fields_of(cls)  # type: ignore[arg-type]
-    unknown = set(fields) - names
+    unknown = set(fields).difference(names)
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
     for name, field_cls in nested.items():
@@ -55,8 +66,8 @@ def _build(cls: type[M], fields: dict[str, Any]) -> M:
 
 
 @functools.cache
-def _fields_of(cls: type) -> tuple[frozenset[str], dict[str, type]]:
-    """A message's field names, and those whose type is a dataclass (or one of them or None)."""
+def _fields_of(cls: type) -> tuple[tuple[str, ...], dict[str, type]]:
+    """A message's field names in order, and those whose type is a dataclass (or one of them or None)."""
     hints = typing.get_type_hints(cls)
     nested: dict[str, type] = {}
     for f in dataclasses.fields(cls):
@@ -65,7 +76,7 @@ def _fields_of(cls: type) -> tuple[frozenset[str], dict[str, type]]:
         for option in typing.get_args(hint) if union else (hint,):
             if dataclasses.is_dataclass(option) and isinstance(option, type):
                 nested[f.name] = option
-    return frozenset(f.name for f in dataclasses.fields(cls)), nested
+    return tuple(f.name for f in dataclasses.fields(cls)), nested
 
 
 @dataclass
