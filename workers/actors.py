@@ -20,10 +20,11 @@ import ray
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.protocol.messages import GenerateRequest, PrefillRequest, TokenChunk, pack, pack_list, unpack
+from workers.protocol.messages import GenerateRequest, PrefillRequest, TokenChunk, pack, unpack
 from workers.resources import WorkerResources
 from workers.service.base import EngineService
 from workers.service.decode import DecodeService
+from workers.service.output_server import OutputServer
 from workers.service.prefill import PrefillService
 from workers.service.prefill_clients import RayPrefillClient
 from workers.service.publisher import PublishConfig
@@ -34,11 +35,15 @@ from workers.transport.paced import PacedTransport
 
 def _build(engine_config: EngineConfig, resources: WorkerResources, transport: str) -> tuple[Engine, KVTransport]:
     engine = Engine(engine_config)  # on this thread with one torch thread (ONE_OPENMP_TEAM): no team of its own
-    host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    kv_transport = make_transport(transport, host, engine.runner.device.type)
+    kv_transport = make_transport(transport, _node_host(), engine.runner.device.type)
     if engine_config.timing_profile is not None:  # a timing model's transfers take the real model's time
         kv_transport = PacedTransport(kv_transport, engine_config.timing_profile, engine_config.block_size)
     return engine, kv_transport
+
+
+def _node_host() -> str:
+    """The address other nodes reach this worker at (its KV transport and output streams listen there)."""
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 class _WorkerBase:
@@ -102,6 +107,7 @@ class DecodeWorker(_WorkerBase):
         engine, kv_transport = _build(engine_config, resources, transport)
         self.service = DecodeService(engine, kv_transport, worker_id, RayPrefillClient(namespace),
                                      transfer_timeout_s, publish, engine_threads=resources.engine_threads).start()
+        self._outputs: OutputServer | None = None  # listening from the first router's ask
 
     async def generate(self, data: bytes) -> AsyncIterator[bytes]:
         try:
@@ -112,10 +118,12 @@ class DecodeWorker(_WorkerBase):
         async for chunk in self.service.generate(request):
             yield pack(chunk)
 
-    # A router's requests on one stream (output_channel.py): subscribe once, then start / cancel each request.
-    async def subscribe(self, channel_id: str) -> AsyncIterator[bytes]:
-        async for batch in self.service.subscribe(channel_id):
-            yield pack_list(batch)
+    # A router's requests on one stream (output_channel.py): it connects to output_address once (its chunks come
+    # there, output_server.py), then starts / cancels each request here.
+    async def output_address(self) -> tuple[str, int]:
+        if self._outputs is None:
+            self._outputs = OutputServer(self.service, _node_host())
+        return await self._outputs.start()
 
     async def start(self, channel_id: str, data: bytes) -> bytes | None:
         """Start a request on a subscribed channel: None, or the chunk that ends it at once (a bad message)."""
@@ -131,6 +139,11 @@ class DecodeWorker(_WorkerBase):
 
     async def renew_channel(self, channel_id: str) -> bool:
         return self.service.renew_channel(channel_id)
+
+    def shutdown(self) -> None:
+        if self._outputs is not None:
+            self._outputs.close()
+        super().shutdown()
 
 
 def _bad_message(error: Exception) -> TokenChunk:

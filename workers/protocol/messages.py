@@ -42,7 +42,7 @@ def pack_list(messages: Sequence[Any]) -> bytes:
 def _fields_dict(message: Any) -> dict[str, Any]:
     """A message's fields by name, a dataclass field as its own dict: what ``_build`` rebuilds. Not
     ``dataclasses.asdict``, which deep-copies every list (a decode step's 8 chunks: 94 us against 11)."""
-    names, nested = _fields_of(type(message))
+    names, nested = _fields_of(type(message))  # type: ignore[arg-type]
     fields = {name: getattr(message, name) for name in names}
     for name in nested:
         if fields[name] is not None:

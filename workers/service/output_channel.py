@@ -5,7 +5,8 @@ report, an object in the owner's store, a callback into the router's event loop)
 most ~1,700 tokens a second on two cores, a fifteenth of what one H100 decode worker makes. Here each request's
 chunks go into its router's channel, and the channel hands out everything that arrived since its last item: one
 item a decode step for all of that router's requests (vLLM's engine core and SGLang's detokenizer batch their
-outputs to the API server a step at a time alike).
+outputs to the API server a step at a time alike). The channel's batches go to their router over a connection of
+their own (output_server.py).
 
     channel = OutputChannel()
     channel.start("r1", service.generate(request))   # the request runs; its chunks join the channel
