@@ -1,4 +1,5 @@
-"""What relaying tokens from a decode worker costs the router: a Ray stream a request against one a worker.
+"""What relaying tokens from a decode worker costs the router: a Ray stream a request against a connection a
+worker.
 
     .venv/bin/python tests/bench/bench_relay.py [--streams 32] [--tokens 256] [--rounds 3]
 
@@ -6,8 +7,8 @@ A decode worker actor (Ray, its own process, one core: a random-weight 2-layer m
 is not lost in the steps) serves ``--streams`` greedy requests of ``--tokens`` tokens at once; this process
 consumes them as a router does, no HTTP:
 - per request: ``workers.actors.stream_generate``, one Ray streaming call a request, an item a token;
-- per worker: ``router.worker_client.RayWorkerClient`` (what routers use), every request's chunks on one Ray
-  stream a worker, an item a decode step (workers/service/output_channel.py).
+- per worker: ``router.worker_client.RayWorkerClient`` (what routers use), every request's chunks on one TCP
+  connection a worker, a frame a decode step (workers/service/output_server.py).
 Each round runs both, in turn; printed: tokens a second, this process's CPU a token (all its threads: Ray's
 included) and the worker process's, medians over the rounds, and their ratios.
 """
@@ -85,7 +86,7 @@ def main() -> None:
         pid = ray.get(decode.ready.remote())["pid"]
         client = RayWorkerClient(ray.get_runtime_context().namespace)
         ways: dict[str, Stream] = {"a Ray stream a request": lambda r: stream_generate(decode, r),
-                                   "one a worker (routers)": lambda r: client.generate("d0", r)}
+                                   "a connection a worker (routers)": lambda r: client.generate("d0", r)}
         rng = random.Random(0)
 
         async def rounds() -> dict[str, list[tuple[float, ...]]]:
@@ -103,12 +104,12 @@ def main() -> None:
         results = asyncio.run(rounds())
         ray.shutdown()
     print(f"{args.streams} streams x {args.tokens} tokens, medians of {args.rounds} rounds")
-    print(f"{'relay':<24} {'tokens/s':>9} {'router us/token':>16} {'worker us/token':>16}")
+    print(f"{'relay':<32} {'tokens/s':>9} {'router us/token':>16} {'worker us/token':>16}")
     medians = {name: [statistics.median(r[k] for r in rows) for k in range(3)] for name, rows in results.items()}
     for name, (rate, own, worker) in medians.items():
-        print(f"{name:<24} {rate:>9,.0f} {own:>16.0f} {worker:>16.0f}")
+        print(f"{name:<32} {rate:>9,.0f} {own:>16.0f} {worker:>16.0f}")
     (old_rate, old_own, old_worker), (new_rate, new_own, new_worker) = medians.values()
-    print(f"one stream a worker: {new_rate / old_rate:.2f}x the tokens/s, {old_own / new_own:.1f}x less router CPU "
+    print(f"a connection a worker: {new_rate / old_rate:.2f}x the tokens/s, {old_own / new_own:.1f}x less router CPU "
           f"a token, {old_worker / new_worker:.2f}x less worker CPU a token")
 
 
