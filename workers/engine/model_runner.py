@@ -19,6 +19,7 @@ from workers.engine.sampler import draw, sample, top_logprobs
 from workers.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from workers.engine.structured_output import accept
 from workers.model.attention_metadata import AttentionMetadata
+from workers.model.compute_starts import compute_starts
 from workers.model.llama import LlamaModel
 from workers.model.timing_model import TimingModel
 
@@ -157,6 +158,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and is_decode_only and not inputs.prompt_rows
                 and graphs.fits(len(rows), max(len(c.block_ids) for c in rows))):
+            compute_starts()  # (workers/model/compute_starts.py)
             logits = graphs.forward(inputs.input_ids, inputs.positions, inputs.slots,
                                     [p + 1 for p in inputs.positions], [c.block_ids for c in rows])
             if len(inputs.logit_rows) < len(rows):  # a one-token prompt chunk that does not reach its end

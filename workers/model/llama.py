@@ -18,6 +18,7 @@ from kernels.fused_ops import add_rms_norm_, rms_norm, rope_, silu_mul
 from kernels.huge_pages import huge_page_copies, huge_page_zeros
 from kernels.quant_linear import QuantizedWeight, cat_rows, interleave, linear
 from workers.model.attention_metadata import AttentionMetadata
+from workers.model.compute_starts import compute_starts
 from workers.model.config import ModelConfig
 from workers.model.rope import RotaryEmbedding
 from workers.protocol.errors import ModelLoadError
@@ -148,9 +149,11 @@ class LlamaModel:
         stack = self.decoder_stack
         if (stack is not None and stack.takes(num_tokens, attn.num_decode_tokens, h, kv_cache)
                 and kernels.resolve_backend(h.device, attn.backend) == "cpu"):
+            compute_starts()  # (compute_starts.py)
             stack.run_(h, cos, sin, kv_cache, attn.slot_mapping, attn.decode_block_tables, attn.decode_seq_lens,
                        scale=self.scale, eps=eps)
             return self._logits(h, logits_indices)
+        compute_starts()
         for i, layer in enumerate(self.layers):
             if mlp_out is None:
                 x = rms_norm(h, layer.attn_norm, eps)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from workers.model.attention_metadata import AttentionMetadata
+from workers.model.compute_starts import compute_starts
 from workers.model.config import ModelConfig
 from workers.protocol.timing_profile import TimingProfile
 
@@ -69,6 +70,7 @@ class TimingModel:
         # spends that time too: back-to-back steps take the engine's time since the last forward off the sleep.
         outside = 0.0 if self._last_end is None else started - self._last_end
         outside = outside if outside < 0.5 * step_s else 0.0  # a longer gap: the engine was idle
+        compute_starts()  # the modelled layers start (compute_starts.py)
         self._sleep(max(0.0, step_s - outside - (time.perf_counter() - started)))
         self._last_end = time.perf_counter()
         return logits

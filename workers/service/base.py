@@ -52,7 +52,7 @@ class EngineService(ABC):
         self._closed = False
         self.publisher: WorkerPublisher | None = None
         self.loop = EngineLoop(engine, self._on_step, self._on_fatal, name=f"{worker_id}-engine",
-                               num_threads=engine_threads)
+                               num_threads=engine_threads, compute_starts=self._compute_starts)
         if publish is not None:
             info = WorkerInfo(worker_id, self.role, publish.ray_namespace, engine.block_pool.block_size,
                               engine.block_pool.num_blocks, engine.max_model_len)
@@ -141,6 +141,10 @@ class EngineService(ABC):
             self._on_reservations(result.reservations)
         if result.outputs:
             self._on_outputs(engine, result.outputs)
+
+    def _compute_starts(self) -> None:
+        """A step's layers start: hand over what waits on the engine thread (workers/model/compute_starts.py)."""
+        return None  # a prefill worker's results go out by themselves
 
     @abstractmethod
     def _on_reservations(self, reservations: list[KVReservation]) -> None:

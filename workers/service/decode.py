@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from workers.engine.engine import Engine, RequestOutput
+from workers.engine.engine import Engine, RequestOutput, StepResult
 from workers.engine.scheduler import KVReservation
 from workers.protocol.errors import WorkerStopped, error_kind
 from workers.protocol.messages import GenerateRequest, PrefillRequest, PrefillResult, TokenChunk
@@ -70,6 +70,9 @@ class DecodeService(EngineService):
         self._streams: dict[str, _Stream] = {}
         self._cleanups: set[asyncio.Future[None]] = set()
         self._channels: dict[str, OutputChannel] = {}
+        # A step's outputs, held on the engine thread until the next step's layers start (workers/model/
+        # compute_starts.py), that step ends, or the engine has nothing left to step.
+        self._held: list[tuple[asyncio.AbstractEventLoop, list[_Delivery]]] = []
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """Stream the request's chunks; the last has ``finished`` set (an error chunk included)."""
@@ -234,6 +237,12 @@ class DecodeService(EngineService):
         return TokenChunk(request_id, finished=True, finish_reason="error", error=message, error_kind=kind)
 
     # ---- engine thread ----
+    def _on_step(self, engine: Engine, result: StepResult, seconds: float) -> None:
+        self._hand_over()  # the step before's outputs, if this step's layers did not take them (no forward ran)
+        super()._on_step(engine, result, seconds)
+        if not engine.has_unfinished:
+            self._hand_over()  # no next step to wait for
+
     def _on_outputs(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         # One wake-up of each event loop a step, not one per output: every wake-up is a thread switch that
         # takes a core from the engine's threads in the middle of the next step.
@@ -242,7 +251,15 @@ class DecodeService(EngineService):
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream.outputs, out))
-        for loop, deliveries in by_loop.items():
+        self._held.extend(by_loop.items())
+
+    def _compute_starts(self) -> None:
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """The held outputs to their event loops (engine thread: its layers start, a step's end)."""
+        held, self._held = self._held, []
+        for loop, deliveries in held:
             loop.call_soon_threadsafe(_deliver, deliveries)
 
     def _on_reservations(self, reservations: list[KVReservation]) -> None:
@@ -259,6 +276,7 @@ class DecodeService(EngineService):
                 stream.loop.call_soon_threadsafe(_fail, stream.reserved, error)
 
     def _on_fatal(self, error: BaseException) -> None:
+        self._hand_over()  # (the engine thread has stopped: nothing else touches what is held)
         for request_id in list(self._streams):
             self._on_request_failed(request_id, error)
 

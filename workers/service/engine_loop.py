@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from workers.engine.engine import Engine, StepResult
+from workers.model.compute_starts import set_compute_starts
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -29,10 +30,12 @@ _IDLE_WAIT_S = 0.05
 
 class EngineLoop:
     def __init__(self, engine: Engine, on_step: Callable[[Engine, StepResult, float], None],
-                 on_fatal: Callable[[BaseException], None], name: str = "engine", num_threads: int | None = None):
+                 on_fatal: Callable[[BaseException], None], name: str = "engine", num_threads: int | None = None,
+                 compute_starts: Callable[[], None] | None = None):
         """``on_step(engine, result, seconds)`` runs on the engine thread after every step;
         ``on_fatal(error)`` once if a step raises (the loop then stops). ``num_threads``: the engine thread's
-        torch threads (default: the constructing thread's). Nothing runs before ``start()``."""
+        torch threads (default: the constructing thread's). ``compute_starts``: run on the engine thread as
+        each forward starts its layers (workers/model/compute_starts.py). Nothing runs before ``start()``."""
         self.engine = engine
         self._on_step = on_step
         self._on_fatal = on_fatal
@@ -43,6 +46,7 @@ class EngineLoop:
         # torch.set_num_threads of the thread that built us. A worker process keeps every other thread at one
         # (workers/actors.py): see there why one OpenMP team a process matters.
         self._num_threads = num_threads or torch.get_num_threads()
+        self._compute_starts = compute_starts
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -74,6 +78,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         torch.set_num_threads(self._num_threads)
+        set_compute_starts(self._compute_starts)
         engine = self.engine
         idle = True
         while not self._stopping:
