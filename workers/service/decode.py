@@ -276,7 +276,7 @@ class DecodeService(EngineService):
                 stream.loop.call_soon_threadsafe(_fail, stream.reserved, error)
 
     def _on_fatal(self, error: BaseException) -> None:
-        self._hand_over()  # (the engine thread has stopped: nothing else touches what is held)
+        self._hand_over()  # (on the engine thread as it stops, or once it has: nothing else touches what is held)
         for request_id in list(self._streams):
             self._on_request_failed(request_id, error)
 
