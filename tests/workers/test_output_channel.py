@@ -5,7 +5,7 @@ chunk; then the same on a decode service's real engine, whose outputs must equal
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import pytest
 
@@ -14,7 +14,6 @@ from workers.protocol.messages import GenerateRequest, TokenChunk
 from workers.protocol.sampling_params import SamplingParams
 from workers.service.decode import DecodeService
 from workers.service.output_channel import ChannelClosed, OutputChannel
-from workers.transport.tcp import TcpTransport
 
 pytestmark = pytest.mark.asyncio
 
@@ -157,19 +156,36 @@ async def assert_all_freed(service: DecodeService) -> None:
     assert held_blocks(service) == 0 and service.num_in_flight() == 0
 
 
-@pytest.fixture
-def decode(make_engine):
-    service = DecodeService(make_engine(dense=True), TcpTransport(), "d0", None).start()
-    yield service
-    service.close()
+async def tokens_alone(decode: DecodeService, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Each prompt's tokens streamed on its own (``generate``), one after another."""
+    return [[t async for c in decode.generate(GenerateRequest(f"a{i}", p, params)) for t in c.token_ids]
+            for i, p in enumerate(prompts)]
+
+
+async def each_requests_tokens(next_batch: Callable[[], Awaitable[list[TokenChunk] | None]],
+                               count: int) -> tuple[list[list[int]], int]:
+    """Requests c0 .. c{count - 1}'s tokens, from batches until each has finished (none with an error), and the
+    number of batches that took."""
+    tokens: dict[str, list[int]] = {f"c{i}": [] for i in range(count)}
+    done: set[str] = set()
+    batches = 0
+    while len(done) < count:
+        batch = await next_batch()
+        assert batch is not None
+        batches += 1
+        for chunk in batch:
+            assert chunk.error is None, chunk.error
+            tokens[chunk.request_id] += chunk.token_ids
+            if chunk.finished:
+                done.add(chunk.request_id)
+    return [tokens[f"c{i}"] for i in range(count)], batches
 
 
 async def test_a_services_channel_gives_its_per_request_streams_outputs_and_frees_on_cancel(decode, make_engine):
     tokenizer = make_engine(dense=True).tokenizer
     prompts = [tokenizer.encode(text_of_tokens(tokenizer, n, seed=n)) for n in (12, 40, 90, 150)]
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    alone = [[t for c in [c async for c in decode.generate(GenerateRequest(f"a{i}", p, params))] for t in c.token_ids]
-             for i, p in enumerate(prompts)]
+    alone = await tokens_alone(decode, prompts, params)
 
     subscription = decode.subscribe("router-1")
     assert await anext(subscription) == []
@@ -178,19 +194,14 @@ async def test_a_services_channel_gives_its_per_request_streams_outputs_and_free
         decode.start_on("nobody", GenerateRequest("x", prompts[0], params))
     for i, p in enumerate(prompts):
         decode.start_on("router-1", GenerateRequest(f"c{i}", p, params))
-    tokens: dict[str, list[int]] = {f"c{i}": [] for i in range(len(prompts))}
-    done: set[str] = set()
-    batches = 0
-    while len(done) < len(prompts):
+
+    async def next_batch() -> list[TokenChunk]:
         batch = await asyncio.wait_for(anext(subscription), 60)
         assert decode.renew_channel("router-1")  # as a live router does (unrenewed for 15 s, it would expire)
-        batches += 1
-        for chunk in batch:
-            assert chunk.error is None, chunk.error
-            tokens[chunk.request_id] += chunk.token_ids
-            if chunk.finished:
-                done.add(chunk.request_id)
-    assert [tokens[f"c{i}"] for i in range(len(prompts))] == alone
+        return batch
+
+    tokens, batches = await each_requests_tokens(next_batch, len(prompts))
+    assert tokens == alone
     assert batches < sum(map(len, alone)) / 2  # a batch a step for all four, not an item a token
 
     # A cancel, then the consumer leaving: the requests are aborted and their blocks freed.

@@ -11,22 +11,13 @@ from collections.abc import AsyncGenerator
 import pytest
 
 from tests.prompts import text_of_tokens
-from tests.workers.test_output_channel import assert_all_freed, channel_metrics
+from tests.workers.test_output_channel import assert_all_freed, channel_metrics, each_requests_tokens, tokens_alone
 from workers.protocol.frames import read_frame, write_frame
 from workers.protocol.messages import GenerateRequest, TokenChunk, unpack_list
 from workers.protocol.sampling_params import SamplingParams
-from workers.service.decode import DecodeService
 from workers.service.output_server import OutputServer
-from workers.transport.tcp import TcpTransport
 
 pytestmark = pytest.mark.asyncio
-
-
-@pytest.fixture
-def decode(make_engine):
-    service = DecodeService(make_engine(dense=True), TcpTransport(), "d0", None).start()
-    yield service
-    service.close()
 
 
 async def connect(address: tuple[str, int], channel_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -44,8 +35,7 @@ async def test_a_routers_connection_carries_its_requests_outputs_a_frame_a_step(
     tokenizer = make_engine(dense=True).tokenizer
     prompts = [tokenizer.encode(text_of_tokens(tokenizer, n, seed=300 + n)) for n in (12, 40, 90)]
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    alone = [[t for c in [c async for c in decode.generate(GenerateRequest(f"a{i}", p, params))] for t in c.token_ids]
-             for i, p in enumerate(prompts)]
+    alone = await tokens_alone(decode, prompts, params)
     server = OutputServer(decode, "127.0.0.1")
     address = await server.start()
     assert await server.start() == address  # one listener
@@ -53,19 +43,8 @@ async def test_a_routers_connection_carries_its_requests_outputs_a_frame_a_step(
     assert await next_batch(reader) == []  # attached: requests may start
     for i, p in enumerate(prompts):
         decode.start_on("router-1", GenerateRequest(f"c{i}", p, params))
-    tokens: dict[str, list[int]] = {f"c{i}": [] for i in range(len(prompts))}
-    done: set[str] = set()
-    frames = 0
-    while len(done) < len(prompts):
-        batch = await next_batch(reader)
-        assert batch is not None
-        frames += 1
-        for chunk in batch:
-            assert chunk.error is None, chunk.error
-            tokens[chunk.request_id] += chunk.token_ids
-            if chunk.finished:
-                done.add(chunk.request_id)
-    assert [tokens[f"c{i}"] for i in range(len(prompts))] == alone
+    tokens, frames = await each_requests_tokens(lambda: next_batch(reader), len(prompts))
+    assert tokens == alone
     assert frames < sum(map(len, alone)) / 2  # a frame a step for all three, not one a token
 
     # A second connection for the same channel is refused; the first carries on.
