@@ -8,7 +8,8 @@ The step goes through ``DecodeGraphs``' staging as on a GPU, and its replay writ
 place a step (so each request's tokens, and the text the detokenizer decodes, keep changing); the model has a
 4,096-token vocabulary so that the argmax (GPU work on a GPU) stays small: the figures are the engine's Python
 and the sampler's host work. The requests are plain greedy, so the steps are launched as on a GPU
-(``Engine.step``): there the postprocessing column runs while the GPU computes the step, here it adds up. Target
+(``Engine.step``): there the GPU computes a step while the host plans the next one (``schedule`` counts the
+follow-on plan) and post-processes the last; here it all adds up. Target
 context (issue 20): a GPU decode step at batch 64 within 1.5x of its kernels (~1.55 ms on an H100).
 """
 
@@ -81,7 +82,9 @@ def measure(tokenizer: Tokenizer, batch: int, steps: int, prompt_len: int = 400)
     for _ in range(5):
         engine.step()
     # A step is launched (launch, then collect its tokens) or, past what a launch takes, run by execute.
-    split = PartTimer({"schedule": (engine.scheduler, "schedule"), "replay": (runner.decode_graphs, "forward"),
+    split = PartTimer({"schedule": (engine.scheduler, "schedule"),
+                       "follow_on": (engine.scheduler, "schedule_follow_on"),
+                       "replay": (runner.decode_graphs, "forward"),
                        "execute": (runner, "execute"), "launch": (runner, "launch"), "collect": (runner, "collect")})
     walls = []
     for _ in range(steps):
@@ -92,6 +95,7 @@ def measure(tokenizer: Tokenizer, batch: int, steps: int, prompt_len: int = 400)
     assert runner.decode_graphs.num_replays >= steps, "every measured step goes through the graphs' staging"
     per = {k: v / steps * 1e3 for k, v in split.seconds.items()}
     per["runner"] = per["execute"] + per["launch"] + per["collect"]
+    per["schedule"] += per["follow_on"]
     step = statistics.median(walls) * 1e3
     return {"step_ms": step, "schedule_ms": per["schedule"], "stage_ms": per["replay"],
             "sample_ms": per["runner"] - per["replay"],

@@ -43,9 +43,9 @@ class PartTimer:
             setattr(owner, attr, self._timed(name, getattr(owner, attr)))
 
     def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
-            out = fn(*args)
+            out = fn(*args, **kwargs)
             self.seconds[name] += time.perf_counter() - t0
             return out
         return timed

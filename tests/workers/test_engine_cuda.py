@@ -116,3 +116,37 @@ def test_decode_graph_buffers_pad_past_the_real_rows(model_dir):
     assert torch.equal(engine.runner.kv_cache, before)  # every slot -1: nothing written
     lens = graphs._device[3 * 8 : 4 * 8].tolist()
     assert lens == [1, 1, 1, 1, 1, 1, 1, 1]
+
+
+def test_follow_on_graph_steps_give_eager_tokens_with_early_stops(model_dir):
+    """Plain greedy rows, so decode steps are queued behind the step before them, fed its tokens on the GPU
+    (``Engine.step``). Requests ending by a stop id, a stop string and max_tokens, each at its own step, give
+    the eager engine's tokens, text and finish reasons."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 120))] for _ in range(12)]
+    plain = [SamplingParams(max_tokens=8 + 3 * i, temperature=0, ignore_eos=True) for i in range(12)]
+
+    def engine(graphs: bool) -> Engine:
+        return Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256,
+                                   max_num_seqs=16, cuda_graphs=graphs))
+
+    eager = engine(False)
+    free = eager.generate(prompts, plain)
+    text = free[2].text
+    stop_text = next(text[i : i + 3] for i in range(len(text) // 2, len(text) - 2) if text[i : i + 3].strip())
+    params = list(plain)
+    params[1] = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[free[1].token_ids[4]])
+    params[2] = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop_text])
+    expected = eager.generate(prompts, params)
+    graphed = engine(True)
+    fed: list[bool] = []
+    launch = graphed.runner.launch
+    graphed.runner.launch = (  # type: ignore[method-assign]
+        lambda out, fed_by=None: fed.append(out.fed_from is not None) or launch(out, fed_by))
+    got = graphed.generate(prompts, params)
+    assert sum(fed) >= 20, "decode steps followed on from the step before them"
+    assert got[1].finish_reason == got[2].finish_reason == "stop" and len(got[1].token_ids) < 40
+    for a, b in zip(got, expected, strict=True):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+    assert graphed.block_pool.num_used_blocks == 0 and graphed.block_pool.check_integrity()

@@ -20,19 +20,22 @@ def model_and_tokenizer(default_model_and_tokenizer):
     return tiny_model(seed=7, max_positions=512), default_model_and_tokenizer[1]
 
 
-def make_engine(model_and_tokenizer, launched: bool) -> tuple[Engine, list[int]]:
-    """An engine, and a list that grows by one for each step it launched."""
+def make_engine(model_and_tokenizer, launched: bool, num_kv_blocks: int = 200, max_num_seqs: int = 8,
+                ) -> tuple[Engine, list[bool]]:
+    """An engine, and a list that grows by one for each step it launched: whether it was a follow-on step
+    (planned before the step it follows was read, its inputs that step's tokens on the device)."""
     model, tokenizer = model_and_tokenizer
-    engine = Engine(EngineConfig(num_kv_blocks=200, max_num_seqs=8, attention_backend="triton", prefill_chunk_size=32),
-                    model=model, tokenizer=tokenizer)
-    launches: list[int] = []
+    engine = Engine(EngineConfig(num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, attention_backend="triton",
+                                 prefill_chunk_size=32), model=model, tokenizer=tokenizer)
+    launches: list[bool] = []
     if launched:
-        graphs = EagerDecodeGraphs(model, engine.runner.kv_cache, block_size=16, max_batch=8, max_model_len=512,
-                                   backend="triton")
+        graphs = EagerDecodeGraphs(model, engine.runner.kv_cache, block_size=16, max_batch=max_num_seqs,
+                                   max_model_len=512, backend="triton")
         graphs.capture()
         engine.runner.decode_graphs = graphs
         launch = engine.runner.launch
-        engine.runner.launch = lambda out: launches.append(1) or launch(out)  # type: ignore[method-assign]
+        engine.runner.launch = (  # type: ignore[method-assign]
+            lambda out, fed_by=None: launches.append(out.fed_from is not None) or launch(out, fed_by))
     return engine, launches
 
 
@@ -54,6 +57,7 @@ def test_launched_steps_give_the_synchronous_outputs(model_and_tokenizer):
     engine, launches = make_engine(model_and_tokenizer, launched=True)
     got = engine.generate(prompts, params)
     assert len(launches) >= 20, "the decode steps were launched"
+    assert sum(launches) >= 15, "most were queued behind the step before them, fed its tokens on the device"
     assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
     assert got[1].finish_reason == got[2].finish_reason == "stop" and len(got[1].token_ids) < 30
     for a, b in zip(got, expected, strict=True):
@@ -61,13 +65,52 @@ def test_launched_steps_give_the_synchronous_outputs(model_and_tokenizer):
     assert engine.block_pool.num_used_blocks == 0 and not engine.has_unfinished
 
 
-def test_a_request_aborted_while_its_outputs_wait_gives_none(model_and_tokenizer):
+def run_with_arrivals(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[int]]:
+    """Each request's tokens, the requests arriving in three waves (the next once the engine has given as many
+    outputs as it has requests): steps that follow on from a launched one meet requests that joined."""
+    tokens: dict[str, list[int]] = {}
+    waves = [(0, 2), (2, 4), (4, len(prompts))]
+    num_outputs = 0
+    for first, end in waves:
+        for i in range(first, end):
+            tokens[engine.add_request(prompts[i], params[i], request_id=f"r{i}")] = []
+        while engine.has_unfinished and num_outputs < 2 * len(tokens):
+            for out in engine.step().outputs:
+                tokens[out.request_id] += out.new_token_ids
+                num_outputs += 1
+    while engine.has_unfinished:
+        for out in engine.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+    return tokens
+
+
+@pytest.mark.parametrize(("num_kv_blocks", "max_num_seqs"), [(200, 8), (10, 3)])
+def test_follow_on_steps_meet_arrivals_a_full_batch_and_a_short_pool(model_and_tokenizer, num_kv_blocks, max_num_seqs):
+    """Requests joining mid-run take a full schedule; so does a short pool (10 blocks for 3 requests of up to
+    5: preemptions), while waiting requests behind a full batch (3 of 7) do not stop follow-on steps. The
+    tokens are those of synchronous steps, and every block comes back."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 40))] for _ in range(7)]
+    params = [SamplingParams(max_tokens=rng.randint(10, 30), temperature=0, ignore_eos=True) for _ in prompts]
+    sync_engine = make_engine(model_and_tokenizer, False, num_kv_blocks, max_num_seqs)[0]
+    expected = run_with_arrivals(sync_engine, prompts, params)
+    engine, launches = make_engine(model_and_tokenizer, True, num_kv_blocks, max_num_seqs)
+    got = run_with_arrivals(engine, prompts, params)
+    assert got == expected
+    assert [len(got[f"r{i}"]) for i in range(7)] == [p.max_tokens for p in params]
+    assert sum(launches) >= 10 and len(launches) - sum(launches) >= 2, "both kinds of launch were taken"
+    if max_num_seqs == 3:
+        assert engine.scheduler.preemptions_by_cause["decode"] > 0, "the pool ran short"
+    assert engine.block_pool.num_used_blocks == 0 and not engine.has_unfinished
+
+
+def test_a_request_aborted_while_its_step_runs_gives_no_more_outputs(model_and_tokenizer):
     engine, launches = make_engine(model_and_tokenizer, launched=True)
     ids = [engine.add_request([300 + i, 400, 500], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
            for i in range(3)]
     while not launches:
         engine.step()
-    assert engine._deferred, "a launched step leaves its outputs for the next"
+    assert engine._in_flight, "a launched step is left running for the next step to read"
     assert engine.abort(ids[1])
     counts = dict.fromkeys(ids, 0)
     while engine.has_unfinished:

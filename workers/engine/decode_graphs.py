@@ -13,6 +13,10 @@ out as the device buffer is (B = largest batch, W = block table width, max_model
     [ input_ids: B | positions: B | slots: B | seq_lens: B | block tables: B x W ]
       a step of b padded rows copies the first 4 B + b W entries
 
+A step queued before the previous one's tokens are read (``Engine.step``'s follow-on steps) stages, in place
+of its input ids, each row's index into the previous step's sampled tokens; a gather on the device puts the
+tokens in. A pinned buffer is rewritten only once the last step's copy has left it (an event).
+
 A block table row is written only up to the request's blocks; the kernel reads no further than its
 sequence length, so what lies past it (an older step's ids) is never read. A row whose table is what the
 staging buffer already holds there (the same request, no new block: nearly every decode step) is not
@@ -59,6 +63,9 @@ class DecodeGraphs:
         self._host_np[2 * b : 3 * b] = -1  # slots: padding writes nothing
         self._host_np[3 * b : 4 * b] = 1  # seq_lens: padding reads one token
         self._device.copy_(self._host)
+        # Recorded after each step's copy: the next step writes the pinned buffer only once it has left (a
+        # step may be queued while the one before it still waits on the GPU: Engine.step's follow-on steps).
+        self._copied = torch.cuda.Event() if model.device.type == "cuda" else None
         self._staged_tables: list[list[int] | None] = [None] * b  # each row's table as the host buffer holds it
         self._logit_rows = torch.arange(b, device=model.device)
         self.sizes = capture_sizes(max_batch)
@@ -115,11 +122,16 @@ class DecodeGraphs:
         return 0 < num_rows <= self.max_batch and widest_table <= self.width and bool(self._graphs)
 
     def forward(self, input_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Logits [n, vocab] (float32) of n decode rows; see ``fits`` for what is taken."""
+                seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], *,
+                feed: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, vocab] (float32) of n decode rows; see ``fits`` for what is taken. With ``feed`` (a
+        device tensor of token ids: the previous step's samples) ``input_ids`` are indices into it, and the
+        tokens are gathered on the device, with no wait for the host to read them."""
         n = len(input_ids)
         b = self.padded_size(n)
         assert b is not None and self.fits(n, max(len(t) for t in block_tables)), "the caller checks fits()"
+        if self._copied is not None:
+            self._copied.synchronize()
         m, w, host = self.max_batch, self.width, self._host_np
         for offset, values, pad in ((0, input_ids, 0), (m, positions, 0), (2 * m, slots, -1), (3 * m, seq_lens, 1)):
             host[offset : offset + n] = values
@@ -132,9 +144,12 @@ class DecodeGraphs:
                 staged[i] = list(table)
         host[base + n * w : base + b * w : w] = 0  # padding rows read block 0
         staged[n:b] = [None] * (b - n)
-        # The previous step's copy is done: its logits were read on the host after it.
         end = base + b * w
         self._device[:end].copy_(self._host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if feed is not None:  # padding rows' index 0 reads a real token: they compute nothing kept
+            self._device[:b].copy_(feed.index_select(0, self._device[:b]))
         graph, logits = self._graphs[b]
         graph.replay()
         self.num_replays += 1

@@ -26,9 +26,9 @@ from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.kv_sizing import kv_cache_size
 from workers.engine.model_loading import load_model, resolve_cuda_graphs, resolve_kv_cache_dtype
-from workers.engine.model_runner import ModelRunner
+from workers.engine.model_runner import LaunchedStep, ModelRunner
 from workers.engine.request import Request, RequestStatus
-from workers.engine.scheduler import KVReservation, SampledToken, Scheduler
+from workers.engine.scheduler import KVReservation, SampledToken, Scheduler, SchedulerOutput
 from workers.engine.structured_output import StructuredOutputs, accept
 from workers.model.llama import LlamaModel
 from workers.model.timing_model import TimingModel
@@ -137,8 +137,8 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, backend, config.seed, eos, kv_dtype,
                                   cuda_graph_batch=graph_batch, max_model_len=self.max_model_len)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        # Requests that got a token in the last launched step, post-processed during the next step (below).
-        self._deferred: list[Request] = []
+        # A launched step whose tokens the host has not read yet, and its schedule (``step``).
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.structured_outputs = StructuredOutputs(self.tokenizer.hf, model.config.vocab_size)
         self._ids = itertools.count()
         # torch + transformers leave ~350K tracked objects; a full GC pass over them stalls a step
@@ -149,7 +149,7 @@ class Engine:
     # ---- requests ----
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._deferred)
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def tokenize(self, prompt: PromptInput) -> list[int]:
         """Token ids of a raw prompt (text or ids) or of ``{"messages": [...]}`` / ``{"prompt": ...}``."""
@@ -290,34 +290,42 @@ class Engine:
     def step(self) -> StepResult:
         """Schedule, run the model, postprocess; returns what the step did.
 
-        A step the runner can launch without waiting (on a GPU: a decode step replayed from a CUDA graph,
-        sampled by argmax) overlaps the host's work: its kernels run while the host post-processes the
-        previous step's tokens (detokenize, stop strings, outputs), as SGLang's overlap scheduler does; its
-        own outputs come with the next step. The scheduler already holds its tokens, and EOS, stop token
-        ids and max_tokens finish requests at once; a stop string, found while post-processing, finishes its
-        request one step late, and the token that step sampled for it is dropped (``update_from_output``
-        skips a finished request), so outputs are the same token for token."""
+        On a GPU, a decode step the runner can launch without waiting (replayed from a CUDA graph, sampled by
+        argmax) is left running when ``step`` returns, and the next ``step`` queues the step after it before
+        reading its tokens, as SGLang's overlap scheduler does: the GPU goes from one step to the next while
+        the host reads, updates and post-processes the earlier one (detokenize, stop strings, outputs). The
+        follow-on step (``Scheduler.schedule_follow_on``) takes its input tokens on the device; a request the
+        earlier token ends by EOS, a stop id or a stop string gets one token more there, dropped
+        (``update_from_output`` skips a finished request), so outputs are the same token for token. Where the
+        next step needs a full schedule (a request joined or waits, the pool is short) the earlier step is
+        read first, and the next one's post-processing overlaps it as far as it can."""
+        deferred: list[Request] = []
+        if self._in_flight is not None:
+            prev_sched, prev = self._in_flight
+            self._in_flight = None
+            follow = self.scheduler.schedule_follow_on(prev_sched)
+            if follow is not None and self.runner.can_launch(follow):
+                self._in_flight = (follow, self.runner.launch(follow, fed_by=prev))
+                updated = self.scheduler.update_from_output(prev_sched, self.runner.collect(prev))
+                outputs = [self._postprocess(r) for r in updated]  # while the GPU runs the follow-on step
+                return StepResult(outputs, [], [], [], self.block_pool.take_events(), follow.num_batched_tokens,
+                                  True)
+            deferred = self.scheduler.update_from_output(prev_sched, self.runner.collect(prev))
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for request in sched.shed:
             self._forget(request.request_id)
         if self.runner.can_launch(sched):
-            launched = self.runner.launch(sched)
-            outputs = self._postprocess_deferred()  # while the GPU runs this step
-            self._deferred = self.scheduler.update_from_output(sched, self.runner.collect(launched))
+            self._in_flight = (sched, self.runner.launch(sched))
+            outputs = [self._postprocess(r) for r in deferred]  # while the GPU runs this step
         else:
-            outputs = self._postprocess_deferred()
+            outputs = [self._postprocess(r) for r in deferred]
             if sched.chunks:
                 sampled = self.runner.execute(sched)
                 outputs += [self._postprocess(r) for r in self.scheduler.update_from_output(sched, sampled)]
         return StepResult(outputs, sched.kv_reserved, [(r.request_id, now - r.arrival_time) for r in sched.shed],
                           sched.queue_seconds, self.block_pool.take_events(), sched.num_batched_tokens,
                           sched.is_decode_only)
-
-    def _postprocess_deferred(self) -> list[RequestOutput]:
-        """The outputs of the last launched step (an aborted request's are dropped: it was forgotten)."""
-        deferred, self._deferred = self._deferred, []
-        return [self._postprocess(r) for r in deferred if r.request_id in self._detokenizers]
 
     def _postprocess(self, request: Request) -> RequestOutput:
         # Every running request passes here every step: locals over repeated attribute and property reads.

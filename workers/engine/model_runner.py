@@ -28,6 +28,10 @@ class LaunchedStep(NamedTuple):
     """A decode step queued on the GPU whose tokens the host has not read yet (``ModelRunner.launch``)."""
 
     tokens: torch.Tensor  # [rows] int64 on the device, in the scheduler's chunk order
+    # Their copy in pinned host memory, and an event recorded after the copy (on a CPU: the tokens, None).
+    # ``tokens.tolist()`` would copy on the stream, after whatever was queued since: the next step too.
+    host_tokens: torch.Tensor
+    copied: torch.cuda.Event | None
 
 
 class StepInputs(NamedTuple):
@@ -111,18 +115,43 @@ class ModelRunner:
                 and all(c.request.plain_greedy and c.samples for c in chunks)
                 and graphs.fits(len(chunks), max(len(c.block_ids) for c in chunks)))
 
-    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+    def launch(self, out: SchedulerOutput, fed_by: LaunchedStep | None = None) -> LaunchedStep:
         """Queue a step that ``can_launch`` took (forward and argmax) and return without waiting for it; the
-        host reads its tokens with ``collect``. On a GPU the host is free meanwhile."""
+        host reads its tokens with ``collect``. On a GPU the host is free meanwhile.
+
+        A step planned by ``Scheduler.schedule_follow_on`` takes its input tokens from ``fed_by``, the step
+        before it, on the device: each row's position is one past what its request has computed (the
+        previous step's token is not in the request yet)."""
+        graphs = self.decode_graphs
+        assert graphs is not None
         rows = out.chunks  # decode rows only, each sampled: already in the order the graph takes them
-        inputs = self._step_inputs(rows, [True] * len(rows))
-        logits = self._forward(rows, inputs, True)
-        return LaunchedStep(argmax_rows(logits))  # queued behind the replay, before the next one reuses its logits
+        feed = None
+        if out.fed_from is None:
+            inputs = self._step_inputs(rows, [True] * len(rows))
+            input_ids, positions, slots = inputs.input_ids, inputs.positions, inputs.slots
+        else:
+            assert fed_by is not None, "a follow-on step needs the step it follows"
+            input_ids, feed, bs = out.fed_from, fed_by.tokens, self.block_size
+            positions = [c.request.num_computed_tokens + 1 for c in rows]
+            slots = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(rows, positions, strict=True)]
+        compute_starts()  # (workers/model/compute_starts.py)
+        logits = graphs.forward(input_ids, positions, slots, [p + 1 for p in positions], [c.block_ids for c in rows],
+                                feed=feed)
+        tokens = argmax_rows(logits)  # queued behind the replay, before the next one reuses its logits
+        if not tokens.is_cuda:
+            return LaunchedStep(tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)  # (torch caches pinned blocks)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return LaunchedStep(tokens, host, copied)
 
     @staticmethod
     def collect(step: LaunchedStep) -> list[SampledToken | None]:
-        """The tokens of a launched step, per chunk (waits for the GPU)."""
-        return [SampledToken(t, None) for t in step.tokens.tolist()]
+        """The tokens of a launched step, per chunk (waits for the GPU to finish that step, not later ones)."""
+        if step.copied is not None:
+            step.copied.synchronize()
+        return [SampledToken(t, None) for t in step.host_tokens.tolist()]
 
     def _step_inputs(self, rows: Sequence[ScheduledChunk], samples: Sequence[bool]) -> StepInputs:
         """The model's inputs for ``rows`` (decodes first), and where their logits are read."""

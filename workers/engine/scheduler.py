@@ -66,6 +66,9 @@ class SchedulerOutput:
     shed: list[Request] = field(default_factory=list)
     # Seconds each request admitted for the first time this step waited in the queue.
     queue_seconds: list[float] = field(default_factory=list)
+    # A step planned before the previous one's tokens were read (``Scheduler.schedule_follow_on``): per chunk,
+    # the previous step's row whose sampled token is its input. None: inputs are the requests' own tokens.
+    fed_from: list[int] | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -179,6 +182,38 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, limit - num_scheduled)
         return out
+
+    def schedule_follow_on(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The decode step after ``prev``, planned while ``prev``'s tokens are still on the GPU, so it can be
+        queued behind ``prev`` and the GPU never waits for the host between them (SGLang's overlap
+        scheduling). ``prev`` is a decode-only step whose rows all sample, not yet passed to
+        ``update_from_output``. Each row still running goes on, with ``prev``'s token as its input, unless
+        max_tokens or the model's length ends it with that token; a row that token ends otherwise (EOS, a
+        stop id, a stop string) computes one token more, which ``update_from_output`` drops (the request is
+        finished by then). None where only a full ``schedule`` will do: requests joined since ``prev``, a
+        request may be admitted or shed, or the pool is short (a full schedule preempts)."""
+        if self.waiting and (len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs
+                             or self.config.max_queue_time_s is not None):
+            return None
+        chunks: list[ScheduledChunk] = []
+        fed_from: list[int] = []
+        num_running = 0
+        for row, chunk in enumerate(prev.chunks):
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted, or finished by a stop string found after prev was planned
+            num_running += 1
+            if (len(request.output_token_ids) + 1 >= request.sampling_params.max_tokens
+                    or request.num_tokens + 1 >= self.max_model_len):
+                continue  # prev's token is its last
+            # Room for prev's token (not yet counted in num_computed_tokens) and this step's.
+            if not self.kv_cache.allocate_slots(request, 2):
+                return None
+            chunks.append(ScheduledChunk(request, 1, self.kv_cache.block_ids(request.request_id)))
+            fed_from.append(row)
+        if num_running != len(self.running) or not chunks:
+            return None
+        return SchedulerOutput(chunks=chunks, fed_from=fed_from)
 
     def _chunk_len(self, request: Request, budget: int) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
