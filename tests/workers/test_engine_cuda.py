@@ -16,6 +16,7 @@ import torch
 from tests.tiny_model import save_random_hf_model, smollm2_shaped_hf_config
 from tests.workers.test_decode_graphs import assert_same_outputs, shrinking_batch
 from tests.workers.test_engine_vs_hf import full_prefill_logits
+from tests.workers.test_launched_steps import hand_off_while_decoding
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.protocol.sampling_params import SamplingParams
@@ -150,3 +151,24 @@ def test_follow_on_graph_steps_give_eager_tokens_with_early_stops(model_dir):
     for a, b in zip(got, expected, strict=True):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
     assert graphed.block_pool.num_used_blocks == 0 and graphed.block_pool.check_integrity()
+
+
+def test_requests_committed_to_a_graphed_decode_engine_join_follow_on_steps(model_dir):
+    """Disaggregated on the GPU: requests prefilled by one engine and committed to a decode engine while its
+    graph steps run join a follow-on step with their own first token; every request's tokens are an eager
+    single engine's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = random.Random(6)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 90))] for _ in range(4)]
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True) for _ in prompts]
+
+    def engine(graphs: bool) -> Engine:
+        return Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256,
+                                   max_num_seqs=8, cuda_graphs=graphs))
+
+    expected = [r.token_ids for r in engine(False).generate(prompts, params)]
+    decode = engine(True)
+    got, joined_rows = hand_off_while_decoding(engine(False), decode, prompts, params)
+    assert got == expected
+    assert sum(1 for n in joined_rows if n) >= 3, "the later requests joined follow-on steps"
+    assert decode.block_pool.num_used_blocks == 0

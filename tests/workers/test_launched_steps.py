@@ -11,7 +11,7 @@ import pytest
 from tests.tiny_model import tiny_model
 from tests.workers.test_decode_graphs import EagerDecodeGraphs
 from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from workers.engine.engine import Engine, StepResult
 from workers.protocol.sampling_params import SamplingParams
 
 
@@ -99,6 +99,60 @@ def test_follow_on_steps_meet_arrivals_a_full_batch_and_a_short_pool(model_and_t
     assert sum(launches) >= 10 and len(launches) - sum(launches) >= 2, "both kinds of launch were taken"
     assert engine.scheduler.preemptions_by_cause["decode"] > 0, "the pool ran short"
     assert engine.block_pool.num_used_blocks == 0 and not engine.has_unfinished
+
+
+def hand_off_while_decoding(prefill: Engine, decode: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                            ) -> tuple[list[list[int]], list[int]]:
+    """Each request's tokens, prefilled on ``prefill`` and committed to ``decode`` one after another while
+    ``decode`` steps on (its KV copied block by block, as a transport would), and per launched step how many
+    of its rows joined with their own token since the step before (``decode``'s launches are counted)."""
+    joined_rows: list[int] = []
+    launch = decode.runner.launch
+    decode.runner.launch = (  # type: ignore[method-assign]
+        lambda out, fed_by=None: joined_rows.append((out.fed_from or []).count(-1)) or launch(out, fed_by))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+
+    def step() -> StepResult:
+        result = decode.step()
+        for out in result.outputs:
+            tokens[out.request_id] += out.new_token_ids
+        return result
+
+    for i, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
+        rid = f"r{i}"
+        decode.add_request(prompt, sampling, request_id=rid, remote_prefill=True)
+        reservation = None
+        while reservation is None:  # the step that reserves the blocks also runs the batch
+            reservation = next((r for r in step().reservations if r.request_id == rid), None)
+        prefill.add_request(prompt, sampling, request_id=rid, prefill_only=True)
+        (first,) = [out for _ in range(8) if prefill.has_unfinished for out in prefill.step().outputs]
+        skip = reservation.num_cached_tokens // decode.block_pool.block_size
+        for src, dst in zip(prefill.held_block_ids(rid)[skip:], reservation.block_ids[skip:], strict=True):
+            decode.runner.kv_cache[:, :, dst] = prefill.runner.kv_cache[:, :, src]
+        assert prefill.release_held(rid)
+        committed = decode.commit_remote_kv(rid, first.new_token_ids[0], None)
+        assert committed is not None
+        tokens[rid] += committed.new_token_ids
+        for _ in range(3):
+            step()
+    while decode.has_unfinished:
+        step()
+    return [tokens[f"r{i}"] for i in range(len(prompts))], joined_rows
+
+
+def test_requests_committed_from_a_prefill_engine_join_follow_on_steps(model_and_tokenizer):
+    """Disaggregated: a decode engine whose steps follow on takes three requests from a prefill engine, the
+    second and third committed while its steps run. They join a follow-on step with their own first token
+    (staged beside the gathered ones), and each request's tokens are a single engine's."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 40))] for _ in range(3)]
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True) for _ in prompts]
+    expected = [r.token_ids for r in make_engine(model_and_tokenizer, False)[0].generate(prompts, params)]
+    decode = make_engine(model_and_tokenizer, True)[0]
+    got, joined_rows = hand_off_while_decoding(make_engine(model_and_tokenizer, False)[0], decode, prompts, params)
+    assert got == expected
+    assert sum(1 for n in joined_rows if n) >= 2, "the later requests joined follow-on steps"
+    assert decode.block_pool.num_used_blocks == 0
 
 
 def test_a_request_aborted_while_its_step_runs_gives_no_more_outputs(model_and_tokenizer):

@@ -14,8 +14,9 @@ out as the device buffer is (B = largest batch, W = block table width, max_model
       a step of b padded rows copies the first 4 B + b W entries
 
 A step queued before the previous one's tokens are read (``Engine.step``'s follow-on steps) stages, in place
-of its input ids, each row's index into the previous step's sampled tokens; a gather on the device puts the
-tokens in. A pinned buffer is rewritten only once the last step's copy has left it (an event).
+of its input ids, each row's index into the previous step's sampled tokens (or -1 - id, a row that joined
+with its own token); a gather on the device puts the tokens in. A pinned buffer is rewritten only once the
+last step's copy has left it (an event).
 
 A block table row is written only up to the request's blocks; the kernel reads no further than its
 sequence length, so what lies past it (an older step's ids) is never read. A row whose table is what the
@@ -125,8 +126,8 @@ class DecodeGraphs:
                 seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], *,
                 feed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n, vocab] (float32) of n decode rows; see ``fits`` for what is taken. With ``feed`` (a
-        device tensor of token ids: the previous step's samples) ``input_ids`` are indices into it, and the
-        tokens are gathered on the device, with no wait for the host to read them."""
+        device tensor of token ids: the previous step's samples) an input id >= 0 is an index into it, and the
+        tokens are gathered on the device, with no wait for the host to read them; -1 - id stands for id."""
         n = len(input_ids)
         b = self.padded_size(n)
         assert b is not None and self.fits(n, max(len(t) for t in block_tables)), "the caller checks fits()"
@@ -149,7 +150,11 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
         if feed is not None:  # padding rows' index 0 reads a real token: they compute nothing kept
-            self._device[:b].copy_(feed.index_select(0, self._device[:b]))
+            ids = self._device[:b]
+            if min(input_ids) >= 0:
+                ids.copy_(feed.index_select(0, ids))
+            else:  # rows with their own token, staged as -1 - id
+                ids.copy_(torch.where(ids >= 0, feed.index_select(0, ids.clamp(min=0)), -1 - ids))
         graph, logits = self._graphs[b]
         graph.replay()
         self.num_replays += 1

@@ -120,8 +120,8 @@ class ModelRunner:
         host reads its tokens with ``collect``. On a GPU the host is free meanwhile.
 
         A step planned by ``Scheduler.schedule_follow_on`` takes its input tokens from ``fed_by``, the step
-        before it, on the device: each row's position is one past what its request has computed (the
-        previous step's token is not in the request yet)."""
+        before it, on the device: such a row's position is one past what its request has computed (the
+        previous step's token is not in the request yet); a row that joined since brings its own token."""
         graphs = self.decode_graphs
         assert graphs is not None
         rows = out.chunks  # decode rows only, each sampled: already in the order the graph takes them
@@ -131,8 +131,16 @@ class ModelRunner:
             input_ids, positions, slots = inputs.input_ids, inputs.positions, inputs.slots
         else:
             assert fed_by is not None, "a follow-on step needs the step it follows"
-            input_ids, feed, bs = out.fed_from, fed_by.tokens, self.block_size
-            positions = [c.request.num_computed_tokens + 1 for c in rows]
+            feed, bs = fed_by.tokens, self.block_size
+            input_ids, positions = [], []
+            for chunk, row in zip(rows, out.fed_from, strict=True):
+                computed = chunk.request.num_computed_tokens
+                if row >= 0:  # the last step's token, one past what the request holds
+                    input_ids.append(row)
+                    positions.append(computed + 1)
+                else:  # joined since: its own next token, staged as -1 - id (DecodeGraphs.forward)
+                    input_ids.append(-1 - chunk.request.token_ids[computed])
+                    positions.append(computed)
             slots = [c.block_ids[p // bs] * bs + p % bs for c, p in zip(rows, positions, strict=True)]
         compute_starts()  # (workers/model/compute_starts.py)
         logits = graphs.forward(input_ids, positions, slots, [p + 1 for p in positions], [c.block_ids for c in rows],

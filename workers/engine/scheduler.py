@@ -67,7 +67,8 @@ class SchedulerOutput:
     # Seconds each request admitted for the first time this step waited in the queue.
     queue_seconds: list[float] = field(default_factory=list)
     # A step planned before the previous one's tokens were read (``Scheduler.schedule_follow_on``): per chunk,
-    # the previous step's row whose sampled token is its input. None: inputs are the requests' own tokens.
+    # the previous step's row whose sampled token is its input, or -1 (a request that joined since: its own
+    # next token). None: inputs are the requests' own tokens.
     fed_from: list[int] | None = None
 
     @property
@@ -190,8 +191,9 @@ class Scheduler:
         ``update_from_output``. Each row still running goes on, with ``prev``'s token as its input, unless
         max_tokens or the model's length ends it with that token; a row that token ends otherwise (EOS, a
         stop id, a stop string) computes one token more, which ``update_from_output`` drops (the request is
-        finished by then). None where only a full ``schedule`` will do: requests joined since ``prev``, a
-        request may be admitted or shed, or the pool is short (a full schedule preempts)."""
+        finished by then). A request that joined since ``prev`` with its next token known (a remote prefill's
+        commit) decodes in the step too. None where only a full ``schedule`` will do: a request may be admitted
+        or shed, one has prompt left to compute, or the pool is short (a full schedule preempts)."""
         if self.waiting and (len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs
                              or self.config.max_queue_time_s is not None):
             return None
@@ -211,7 +213,17 @@ class Scheduler:
                 return None
             chunks.append(ScheduledChunk(request, 1, self.kv_cache.block_ids(request.request_id)))
             fed_from.append(row)
-        if num_running != len(self.running) or not chunks:
+        if num_running < len(self.running):  # requests joined since prev
+            in_prev = {id(c.request) for c in prev.chunks}
+            for request in self.running:
+                if id(request) in in_prev:
+                    continue
+                if request.num_tokens - request.num_computed_tokens != 1 or not self.kv_cache.allocate_slots(
+                        request, 1):
+                    return None
+                chunks.append(ScheduledChunk(request, 1, self.kv_cache.block_ids(request.request_id)))
+                fed_from.append(-1)
+        if not chunks or len(chunks) > self.token_budget:
             return None
         return SchedulerOutput(chunks=chunks, fed_from=fed_from)
 
