@@ -296,9 +296,10 @@ class Engine:
         the host reads, updates and post-processes the earlier one (detokenize, stop strings, outputs). The
         follow-on step (``Scheduler.schedule_follow_on``) takes its input tokens on the device; a request the
         earlier token ends by EOS, a stop id or a stop string gets one token more there, dropped
-        (``update_from_output`` skips a finished request), so outputs are the same token for token. Where the
-        next step needs a full schedule (a request joined or waits, the pool is short) the earlier step is
-        read first, and the next one's post-processing overlaps it as far as it can."""
+        (``update_from_output`` skips a finished request), so outputs are the same token for token; a request
+        committed since joins it with its own token. Where the next step needs a full schedule (a request
+        may be admitted, one has prompt left, the pool is short) the earlier step is read first, and its
+        post-processing overlaps the next step where that one is launched."""
         deferred: list[Request] = []
         if self._in_flight is not None:
             prev_sched, prev = self._in_flight
