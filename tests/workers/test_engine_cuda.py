@@ -16,7 +16,7 @@ import torch
 from tests.tiny_model import save_random_hf_model, smollm2_shaped_hf_config
 from tests.workers.test_decode_graphs import assert_same_outputs, shrinking_batch
 from tests.workers.test_engine_vs_hf import full_prefill_logits
-from tests.workers.test_launched_steps import hand_off_while_decoding
+from tests.workers.test_launched_steps import hand_off_while_decoding, record_launches
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.protocol.sampling_params import SamplingParams
@@ -141,10 +141,7 @@ def test_follow_on_graph_steps_give_eager_tokens_with_early_stops(model_dir):
     params[2] = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop_text])
     expected = eager.generate(prompts, params)
     graphed = engine(True)
-    fed: list[bool] = []
-    launch = graphed.runner.launch
-    graphed.runner.launch = (  # type: ignore[method-assign]
-        lambda out, fed_by=None: fed.append(out.fed_from is not None) or launch(out, fed_by))
+    fed = record_launches(graphed, lambda out: out.fed_from is not None)
     got = graphed.generate(prompts, params)
     assert sum(fed) >= 20, "decode steps followed on from the step before them"
     assert got[1].finish_reason == got[2].finish_reason == "stop" and len(got[1].token_ids) < 40

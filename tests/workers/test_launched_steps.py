@@ -1,10 +1,13 @@
-"""Decode steps launched without waiting (``Engine.step`` on a GPU: a CUDA-graph replay sampled by argmax), their
-outputs post-processed during the next step. Here the graphs are eager forwards over the graphs' own buffers
-(``EagerDecodeGraphs``), so the engine takes the launched path on CPU; ``test_engine_cuda.py`` runs real graphs."""
+"""Decode steps launched without waiting (``Engine.step`` on a GPU: a CUDA-graph replay sampled by argmax), the
+next step queued behind each before its tokens are read (follow-on steps). Here the graphs are eager forwards
+over the graphs' own buffers (``EagerDecodeGraphs``), so the engine takes the launched path on CPU;
+``test_engine_cuda.py`` runs real graphs."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
@@ -12,7 +15,11 @@ from tests.tiny_model import tiny_model
 from tests.workers.test_decode_graphs import EagerDecodeGraphs
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, StepResult
+from workers.engine.model_runner import LaunchedStep
+from workers.engine.scheduler import SchedulerOutput
 from workers.protocol.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +40,21 @@ def make_engine(model_and_tokenizer, launched: bool, num_kv_blocks: int = 200, m
                                    max_model_len=512, backend="triton")
         graphs.capture()
         engine.runner.decode_graphs = graphs
-        launch = engine.runner.launch
-        engine.runner.launch = (  # type: ignore[method-assign]
-            lambda out, fed_by=None: launches.append(out.fed_from is not None) or launch(out, fed_by))
+        launches = record_launches(engine, lambda out: out.fed_from is not None)
     return engine, launches
+
+
+def record_launches(engine: Engine, record: Callable[[SchedulerOutput], T]) -> list[T]:
+    """What ``record`` says of each step ``engine`` launches, in order (its runner's ``launch`` wrapped)."""
+    seen: list[T] = []
+    launch = engine.runner.launch
+
+    def recorded(out: SchedulerOutput, fed_by: LaunchedStep | None = None) -> LaunchedStep:
+        seen.append(record(out))
+        return launch(out, fed_by)
+
+    engine.runner.launch = recorded  # type: ignore[method-assign]
+    return seen
 
 
 def test_launched_steps_give_the_synchronous_outputs(model_and_tokenizer):
@@ -106,10 +124,7 @@ def hand_off_while_decoding(prefill: Engine, decode: Engine, prompts: list[list[
     """Each request's tokens, prefilled on ``prefill`` and committed to ``decode`` one after another while
     ``decode`` steps on (its KV copied block by block, as a transport would), and per launched step how many
     of its rows joined with their own token since the step before (``decode``'s launches are counted)."""
-    joined_rows: list[int] = []
-    launch = decode.runner.launch
-    decode.runner.launch = (  # type: ignore[method-assign]
-        lambda out, fed_by=None: joined_rows.append((out.fed_from or []).count(-1)) or launch(out, fed_by))
+    joined_rows = record_launches(decode, lambda out: (out.fed_from or []).count(-1))
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
 
     def step() -> StepResult:
