@@ -88,7 +88,7 @@ def instruction_sets() -> list[str]:
         return []
     now = torch.ops.tandem_cpu.isa()
     have = []
-    for isa in ("avx2", "avx_vnni", "avx512_vnni"):
+    for isa in ("avx2", "avx_vnni", "avx512_vnni", "amx"):
         try:
             have.append(torch.ops.tandem_cpu.set_isa(isa))
         except RuntimeError:  # the CPU lacks it
@@ -100,7 +100,7 @@ def instruction_sets() -> list[str]:
 def pairs_groups() -> bool:
     """Whether ``quant_linear.interleave`` stores 8-row groups two by two ("x8p"): where the instruction set in
     use is "avx512_vnni" and its 512-bit loop runs from one row of x (``min_rows_for_pairs``: not on Zen 4)."""
-    return (available() and torch.ops.tandem_cpu.isa() == "avx512_vnni"
+    return (available() and torch.ops.tandem_cpu.isa() in ("avx512_vnni", "amx")
             and torch.ops.tandem_cpu.min_rows_for_pairs() == 1)
 
 

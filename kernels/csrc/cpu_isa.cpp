@@ -1,15 +1,22 @@
 // The instruction set the compiled kernels use: the best this CPU has, picked once at load, narrowed by
 // set_isa(name) for A/B benchmarks and tests. The quantized linear layers follow it (VNNI's dpbusd, 512-bit
-// vectors; bit-identical on every set) and so does decode attention (512-bit vectors from "avx512_vnni").
+// vectors, AMX tiles; bit-identical on every set) and so does decode attention (512-bit vectors from "avx512_vnni").
+// "amx" is "avx512_vnni" with the quantized matrices on AMX-INT8 tiles from amx_min_rows() rows of x.
 //
-//   isa() -> "avx2" | "avx_vnni" | "avx512_vnni";  set_isa(name) -> the set now in use ("best": the CPU's best)
+//   isa() -> "avx2" | "avx_vnni" | "avx512_vnni" | "amx";  set_isa(name) -> the set now in use ("best": the CPU's best)
 //   min_rows_for_pairs() -> from how many rows of x "avx512_vnni" multiplies on 512-bit vectors (1, or 5 on Zen 4)
+//   amx_min_rows() -> from how many rows of x the matrices run on tiles (0: not now, the set in use is not "amx");
+//     set_amx_min_rows(n) -> the last value (tests, A/B benches)
 
 #include <c10/util/Exception.h>
 #include <cpuid.h>
 #include <torch/library.h>
 
 #include <string>
+#include <utility>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "tandem_cpu.h"
 
@@ -33,7 +40,6 @@ const char* isa_name(Isa isa) {
   }
 }
 
-Isa g_isa = best_isa();
 
 // AMD's Zen 4 (family 0x19 with AVX-512) runs a 512-bit instruction as two 256-bit halves, so there the
 // 512-bit pairs of quant_x8_dot512.h save instructions, not work. In the bundled model's decode step on a
@@ -50,23 +56,60 @@ int64_t detect_min_rows_for_pairs() {
 
 const int64_t g_min_rows_for_pairs = detect_min_rows_for_pairs();
 
+// AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24 and 25), and the OS's leave to use the tiles' 8 KB of state:
+// Linux grants it per process on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); a tile instruction
+// without it faults. A hypervisor may list AMX and refuse the state, so the request decides.
+bool amx_granted() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!((edx >> 24) & 1) || !((edx >> 25) & 1)) return false;
+#ifdef SYS_arch_prctl
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+  return false;
+#endif
+}
+
+// From 9 rows of x the tiles win: 8 rows are one tile of the 512-bit loop and efficient there, 9 take it plus a
+// one-row tile. Emerald Rapids, 2 threads, each matrix of the bundled model alone (the same process alternating
+// "amx" and "avx512_vnni", medians of 4 rounds; tests/bench/bench_quant_matrices.py): tiles / 512-bit loops at 8
+// rows 1.05-1.16, 9: 0.90-0.95, 12: 0.82-0.92, 16: 0.74-0.88, 32: 0.76-0.78, 64: 0.71-0.87, 256: 0.73-0.83.
+constexpr int64_t kAmxMinRows = 9;
+const bool g_amx = best_isa() == Isa::kAvx512Vnni && amx_granted();
+
+Isa g_isa = best_isa();
+bool g_tiles = g_amx;  // "amx": g_isa is kAvx512Vnni
+int64_t g_amx_min_rows = kAmxMinRows;
+
+// For tests and A/B benches: tiles from `rows` rows of x while the set is "amx" (1: every matrix). Returns the
+// last value.
+int64_t set_amx_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "amx_min_rows must be >= 1, got ", rows);
+  return std::exchange(g_amx_min_rows, rows);
+}
+
 // Sets the instruction set by name ("best" for this CPU's best); returns the one now in use. Refuses one
 // the CPU lacks.
 std::string set_isa(const std::string& name) {
   const Isa best = best_isa();
   Isa want = best;
-  if (name == "avx2") want = Isa::kAvx2;
-  else if (name == "avx_vnni") want = Isa::kAvxVnni;
-  else if (name == "avx512_vnni") want = Isa::kAvx512Vnni;
-  else TORCH_CHECK(name == "best", "unknown instruction set ", name, "; known: best, avx2, avx_vnni, avx512_vnni");
+  bool tiles = g_amx;
+  if (name == "avx2") want = Isa::kAvx2, tiles = false;
+  else if (name == "avx_vnni") want = Isa::kAvxVnni, tiles = false;
+  else if (name == "avx512_vnni") want = Isa::kAvx512Vnni, tiles = false;
+  else if (name == "amx") want = Isa::kAvx512Vnni, tiles = true;
+  else TORCH_CHECK(name == "best", "unknown instruction set ", name, "; known: best, avx2, avx_vnni, avx512_vnni, amx");
   const bool has = want == Isa::kAvx2 || (want == Isa::kAvxVnni && __builtin_cpu_supports("avxvnni")) ||
-                   (want == Isa::kAvx512Vnni && best == Isa::kAvx512Vnni);
-  TORCH_CHECK(has, "this CPU lacks ", name, " (its best is ", isa_name(best), ")");
+                   (want == Isa::kAvx512Vnni && best == Isa::kAvx512Vnni && (!tiles || g_amx));
+  TORCH_CHECK(has, "this CPU (or its OS, for amx's tiles) lacks ", name, " (its best is ",
+              g_amx ? "amx" : isa_name(best), ")");
   g_isa = want;
-  return isa_name(g_isa);
+  g_tiles = tiles;
+  return g_tiles ? "amx" : isa_name(g_isa);
 }
 
-std::string isa_now() { return isa_name(g_isa); }
+std::string isa_now() { return g_tiles ? "amx" : isa_name(g_isa); }
 
 }  // namespace
 
@@ -76,6 +119,8 @@ Isa isa() { return g_isa; }
 
 int64_t min_rows_for_pairs() { return g_min_rows_for_pairs; }
 
+int64_t amx_min_rows() { return g_tiles ? g_amx_min_rows : 0; }
+
 }  // namespace tandem_cpu
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
@@ -83,4 +128,6 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("isa() -> str", &isa_now);
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("min_rows_for_pairs() -> int", &tandem_cpu::min_rows_for_pairs);
+  m.def("amx_min_rows() -> int", &tandem_cpu::amx_min_rows);
+  m.def("set_amx_min_rows(int rows) -> int", &set_amx_min_rows);
 }

@@ -42,10 +42,12 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <type_traits>
+#include <utility>
 
 #include "quant_blocks.h"
 #include "tandem_cpu.h"
@@ -153,6 +155,13 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_
 }  // namespace avx512_vnni
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")  // run only where cpu_isa.cpp got tiles
+namespace avx512_vnni {
+#include "quant_x8_amx.h"
+}  // namespace avx512_vnni
+#pragma GCC pop_options
+
 template <typename F, bool kPairs>
 at::Tensor to_x8(const at::Tensor& w, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N, bytes] contiguous uint8");
@@ -189,6 +198,8 @@ void x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, cons
   if (isa == tandem_cpu::Isa::kAvx512Vnni)
     groups_fn = M < tandem_cpu::min_rows_for_pairs() ? &avx512_vnni::x8_groups<kQ4_1>  // same bits (cpu_isa.cpp)
                                                      : &avx512_vnni::x8_pair_groups<kQ4_1>;
+  const int64_t amx_rows = tandem_cpu::amx_min_rows();
+  if (amx_rows > 0 && M >= amx_rows) groups_fn = &avx512_vnni::x8_pair_groups_amx<kQ4_1>;  // same bits again
   if (isa == tandem_cpu::Isa::kAvxVnni) groups_fn = &avx_vnni::x8_groups<kQ4_1>;
   // Each thread walks its own groups of weight rows; every group meets all of x (M small: x stays in L1/L2). In a
   // decode step's thread team the workers have prefetched theirs (x8_prefetch_target): a smaller share for the

@@ -20,6 +20,8 @@ enum class Isa { kAvx2, kAvxVnni, kAvx512Vnni };
 Isa isa();
 // The fewest rows of x the AVX-512 VNNI set multiplies on 512-bit pairs of groups (fewer: 256-bit dpbusd)
 int64_t min_rows_for_pairs();
+// From how many rows of x the quantized matrices run on AMX tiles (0: not now, the set is not "amx"; quant_x8_amx.h)
+int64_t amx_min_rows();
 
 // paged_decode_cpu.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -117,6 +117,31 @@ def test_every_instruction_set_gives_the_same_bits(fmt: str) -> None:
                 assert torch.equal(quant_linear.linear(x[:m], w), outputs["avx2"][m]), (n, m)
 
 
+@pytest.mark.skipif("amx" not in cpu_kernel.instruction_sets(), reason="this CPU (or its OS) gives no AMX-INT8 tiles")
+@pytest.mark.parametrize("fmt", INTERLEAVED)
+def test_amx_tiles_give_the_same_bits_at_every_row_count(fmt: str) -> None:
+    """On tiles (kernels/csrc/quant_x8_amx.h) at every row count, not only from amx_min_rows(): one tile of 1-16
+    rows, tiles of two sizes (17: 9 and 8; 40: 14, 13, 13), many tiles (130), on 1-3 threads (cuts inside pairs)."""
+    w, _ = random_weight(fmt, 72, 192, seed=7)
+    x = torch.randn(130, 192, generator=torch.Generator().manual_seed(7))
+    x[:, 9] *= 50
+    x[1::4, 32:64] = 0
+    with cpu_kernel.instruction_set("avx2"):
+        expected = quant_linear.linear(x, w)
+    with cpu_kernel.instruction_set("amx"):
+        before = torch.ops.tandem_cpu.set_amx_min_rows(1)
+        try:
+            assert torch.ops.tandem_cpu.amx_min_rows() == 1
+            for n in (1, 2, 3):
+                with torch_threads(n):
+                    for m in (*range(1, 18), 24, 40, 130):
+                        assert torch.equal(quant_linear.linear(x[:m], w), expected[:m]), (n, m)
+        finally:
+            torch.ops.tandem_cpu.set_amx_min_rows(before)
+    with cpu_kernel.instruction_set("avx512_vnni"):
+        assert torch.ops.tandem_cpu.amx_min_rows() == 0  # the 512-bit loops alone
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_groups_stored_two_by_two_give_the_same_bits(fmt: str) -> None:
     """x8p holds x8's blocks in another order (9 groups: 4 pairs and a lone one): the same products, bit for
