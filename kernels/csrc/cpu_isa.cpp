@@ -71,11 +71,14 @@ bool amx_granted() {
 #endif
 }
 
-// From 9 rows of x the tiles win: 8 rows are one tile of the 512-bit loop and efficient there, 9 take it plus a
-// one-row tile. Emerald Rapids, 2 threads, each matrix of the bundled model alone (the same process alternating
-// "amx" and "avx512_vnni", medians of 4 rounds; tests/bench/bench_quant_matrices.py): tiles / 512-bit loops at 8
-// rows 1.05-1.16, 9: 0.90-0.95, 12: 0.82-0.92, 16: 0.74-0.88, 32: 0.76-0.78, 64: 0.71-0.87, 256: 0.73-0.83.
-constexpr int64_t kAmxMinRows = 9;
+// Tiles from 32 rows of x: prefill chunks and big decode batches. Each matrix alone (tests/bench/
+// bench_quant_matrices.py, Emerald Rapids VM, 2 threads) is faster on tiles from 9 rows (a step's matrices at 16 rows
+// 7.3 against 9.2 ms, 32: 12.9 / 17.4), but inside a decode step it was not below ~24: the core slows down while it
+// runs tile instructions (AMX's frequency licence), and the step's attention, norms and 512-bit loops between the
+// matrices ran ~10% slower with it (bench_step_phases' parts, batch 16 on one thread: attention 213 against 197 us
+// a layer). Engine steps, the two sets alternating step by step (tests/bench/bench_amx_decode.py): batch 16 1.00,
+// 24 0.97, 32 0.93, 48 0.88; a 400-token prefill 0.82-0.87.
+constexpr int64_t kAmxMinRows = 32;
 const bool g_amx = best_isa() == Isa::kAvx512Vnni && amx_granted();
 
 Isa g_isa = best_isa();
