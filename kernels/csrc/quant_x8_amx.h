@@ -3,10 +3,10 @@
 // not fewer). There the 512-bit loops are bound by their instructions: each (block, pair, row of x) takes 8 dpbusd,
 // 8 broadcasts and an add for its integer sum, and 5 more for its float work. Here one tile multiply does a block's
 // integer sums for the pair's 16 weight rows and up to 16 rows of x at once, and only the float work stays on vectors
-// (the same instructions as pair_block_rows', in the same order, on the same int32 sums: bit-identical outputs). As llama.cpp's AMX path
-// does, a block's sums go through memory (a tile store) to meet their scales: the GGUF's scales are per 32 values,
-// so sums cannot accumulate across blocks in the tile. That round trip and the tile loads cost ~20 ns a block on this
-// VM's Emerald Rapids, so even alone a matrix gains on tiles only from 9 rows.
+// (the same instructions as pair_block_rows', in the same order, on the same int32 sums: bit-identical outputs).
+// As llama.cpp's AMX path does, a block's sums go through memory (a tile store) to meet their scales: the GGUF's
+// scales are per 32 values, so sums cannot accumulate across blocks in the tile. That round trip and the tile loads
+// cost ~20 ns a block on this VM's Emerald Rapids, so even alone a matrix gains on tiles only from 9 rows.
 //
 // Tiles: A = R rows of x's int8 values of block b (32 bytes a row, rows nb * 32 bytes apart); B = the pair's
 // unpacked block as unpack_pair_block leaves it (q[k]: values 4k .. 4k+3 of the 16 weight rows, which is the
