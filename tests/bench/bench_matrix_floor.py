@@ -160,6 +160,8 @@ def main() -> None:
     if not cpu_kernel.available():
         sys.exit(f"the CPU kernels are unavailable: {cpu_kernel.unavailable_reason()}")
     isa = torch.ops.tandem_cpu.isa()
+    if isa == "amx":  # tiles only from amx_min_rows() rows; the floor here models the 512-bit loops
+        isa = torch.ops.tandem_cpu.set_isa("avx512_vnni")
     if isa not in GROUP_ROWS:
         sys.exit(f"this CPU's kernels run {isa}; the floors here are for AVX-512 VNNI and AVX2")
     if isa == "avx512_vnni" and args.rows < torch.ops.tandem_cpu.min_rows_for_pairs():
