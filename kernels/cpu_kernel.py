@@ -81,8 +81,9 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 
 def instruction_sets() -> list[str]:
-    """The instruction sets the compiled kernels run on this CPU, oldest first ("avx2", then "avx_vnni" and
-    "avx512_vnni" where it has them); ``torch.ops.tandem_cpu.set_isa(name)`` picks one for the quantized
+    """The instruction sets the compiled kernels run on this CPU, oldest first ("avx2", then "avx_vnni",
+    "avx512_vnni" and "amx" where it has them: "amx" is "avx512_vnni" with the quantized matrices on AMX-INT8 tiles
+    from ``amx_min_rows()`` rows of x); ``torch.ops.tandem_cpu.set_isa(name)`` picks one for the quantized
     matrices and decode attention (A/B benches, tests), "best" the last; none where the kernels did not build."""
     if not available():
         return []
@@ -99,7 +100,7 @@ def instruction_sets() -> list[str]:
 
 def pairs_groups() -> bool:
     """Whether ``quant_linear.interleave`` stores 8-row groups two by two ("x8p"): where the instruction set in
-    use is "avx512_vnni" and its 512-bit loop runs from one row of x (``min_rows_for_pairs``: not on Zen 4)."""
+    use is "avx512_vnni" or "amx" and its 512-bit loop runs from one row of x (``min_rows_for_pairs``: not on Zen 4)."""
     return (available() and torch.ops.tandem_cpu.isa() in ("avx512_vnni", "amx")
             and torch.ops.tandem_cpu.min_rows_for_pairs() == 1)
 

@@ -40,7 +40,6 @@ const char* isa_name(Isa isa) {
   }
 }
 
-
 // AMD's Zen 4 (family 0x19 with AVX-512) runs a 512-bit instruction as two 256-bit halves, so there the
 // 512-bit pairs of quant_x8_dot512.h save instructions, not work. In the bundled model's decode step on a
 // Zen 4 EPYC (2 threads, 256-bit VNNI loops / 512-bit pairs) they lost up to 4 rows of x: batch 1 4.0 / 5.2
@@ -75,9 +74,9 @@ bool amx_granted() {
 // bench_quant_matrices.py, Emerald Rapids VM, 2 threads) is faster on tiles from 9 rows (a step's matrices at 16 rows
 // 7.3 against 9.2 ms, 32: 12.9 / 17.4), but inside a decode step it was not below ~24: the core slows down while it
 // runs tile instructions (AMX's frequency licence), and the step's attention, norms and 512-bit loops between the
-// matrices ran ~10% slower with it (bench_step_phases' parts, batch 16 on one thread: attention 213 against 197 us
-// a layer). Engine steps, the two sets alternating step by step (tests/bench/bench_amx_decode.py): batch 16 1.00,
-// 24 0.97, 32 0.93, 48 0.88; a 400-token prefill 0.82-0.87.
+// matrices ran ~10% slower with it (the stack's phase clock as bench_step_phases reads it, batch 16 on one thread:
+// attention 213 against 197 us a layer). Engine steps, the two sets alternating step by step
+// (tests/bench/bench_amx_decode.py): batch 16 1.00, 24 0.97, 32 0.93, 48 0.88; a 400-token prefill 0.82-0.87.
 constexpr int64_t kAmxMinRows = 32;
 const bool g_amx = best_isa() == Isa::kAvx512Vnni && amx_granted();
 
