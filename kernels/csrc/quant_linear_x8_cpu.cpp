@@ -78,6 +78,19 @@ struct X8Layout {
     if (!paired(g)) return g * nb * block_bytes + b * block_bytes;
     return (g & ~int64_t{1}) * nb * block_bytes + (g & 1) * block_bytes + 2 * b * block_bytes;
   }
+  // Walking a pair (groups g and g + 1, g even in x8p): group g + 1's block lies partner() bytes after group g's,
+  // and block b + 1 pair_stride() bytes after block b.
+  int64_t partner() const { return pairs ? block_bytes : nb * block_bytes; }
+  int64_t pair_stride() const { return pairs ? 2 * block_bytes : block_bytes; }
+  // The whole pairs of groups [g0, g1) as [first, end), for the 512-bit and tile loops: a range starting at a
+  // pair's second group (x8p: a cut between threads) leaves that group before first, and the groups from end on
+  // (one without its partner in the range) are left too, both to the 256-bit loop.
+  std::pair<int64_t, int64_t> whole_pairs(int64_t g0, int64_t g1) const {
+    const int64_t first = pairs && g0 % 2 == 1 && g0 < g1 ? g0 + 1 : g0;
+    int64_t end = first;
+    while (end + 2 <= g1 && (!pairs || paired(end))) end += 2;
+    return {first, end};
+  }
 };
 
 struct Q4_1x8 {

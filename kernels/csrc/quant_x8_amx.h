@@ -140,15 +140,9 @@ inline void x8_pair_groups_amx(const tandem_quant::QuantizedX& x, int64_t M, int
                                int64_t g0, int64_t g1, float* y, int64_t N, bool pairs) {
   constexpr int64_t kBytes = kQ4_1 ? 160 : 272;
   const X8Layout layout{nb, N / 8, kBytes, pairs};
-  const int64_t partner = pairs ? kBytes : nb * kBytes, block_stride = pairs ? 2 * kBytes : kBytes;
-  int64_t g = g0;
-  if (pairs && g % 2 == 1 && g < g1) {  // the range starts at a pair's second group
-    x8_groups<kQ4_1>(x, M, nb, w, g, g + 1, y, N, pairs);
-    ++g;
-  }
-  const int64_t first_pair = g;
-  int64_t end = g;  // past the last whole pair of the range
-  while (end + 2 <= g1 && (!pairs || layout.paired(end))) end += 2;
+  const int64_t partner = layout.partner(), block_stride = layout.pair_stride();
+  const auto [first_pair, end] = layout.whole_pairs(g0, g1);
+  if (first_pair > g0) x8_groups<kQ4_1>(x, M, nb, w, g0, first_pair, y, N, pairs);
   if (first_pair < end) {
     thread_local std::vector<float> acc_buffer;  // a thread's own, grown to the most rows seen
     acc_buffer.resize(static_cast<size_t>(M) * 16 + 16);

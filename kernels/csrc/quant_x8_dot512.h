@@ -136,7 +136,7 @@ inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t
                            int64_t g1, float* y, int64_t N, bool pairs) {
   constexpr int64_t kBytes = kQ4_1 ? 160 : 272;
   const X8Layout layout{nb, N / 8, kBytes, pairs};
-  const int64_t partner = pairs ? kBytes : nb * kBytes, block_stride = pairs ? 2 * kBytes : kBytes;
+  const int64_t partner = layout.partner(), block_stride = layout.pair_stride();
   std::vector<uint8_t> xu;  // Q8_0: x + 128 as unsigned bytes (the sign bit flipped)
   if constexpr (!kQ4_1) {
     xu.resize(x.q.size());
@@ -150,12 +150,9 @@ inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t
   const std::unique_ptr<PairBlock[], decltype(&std::free)> blocks(
       static_cast<PairBlock*>(bytes ? std::aligned_alloc(64, bytes) : nullptr), &std::free);
   TORCH_CHECK(!unpack_once || blocks, "out of memory for ", bytes, " bytes of unpacked weights");
-  int64_t g = g0;
-  if (pairs && g % 2 == 1 && g < g1) {  // the range starts at a pair's second group
-    x8_groups<kQ4_1>(x, M, nb, w, g, g + 1, y, N, pairs);
-    ++g;
-  }
-  for (; g + 2 <= g1 && (!pairs || layout.paired(g)); g += 2) {
+  const std::pair<int64_t, int64_t> span = layout.whole_pairs(g0, g1);
+  if (span.first > g0) x8_groups<kQ4_1>(x, M, nb, w, g0, span.first, y, N, pairs);
+  for (int64_t g = span.first; g < span.second; g += 2) {
     const uint8_t* pair = w + layout.offset(g, 0);
     const uint8_t* next = g + 4 <= g1 ? w + layout.offset(g + 2, 0) : nullptr;
     float* yg = y + g * 8;
@@ -187,5 +184,5 @@ inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t
       default: break;
     }
   }
-  if (g < g1) x8_groups<kQ4_1>(x, M, nb, w, g, g1, y, N, pairs);
+  if (span.second < g1) x8_groups<kQ4_1>(x, M, nb, w, span.second, g1, y, N, pairs);
 }
