@@ -162,6 +162,8 @@ def test_unknown_instruction_set_is_refused() -> None:
     with pytest.raises(RuntimeError, match="unknown instruction set sse4"):
         torch.ops.tandem_cpu.set_isa("sse4")
     assert torch.ops.tandem_cpu.isa() in cpu_kernel.instruction_sets()
+    with pytest.raises(RuntimeError, match="amx_min_rows must be >= 1, got 0"):
+        torch.ops.tandem_cpu.set_amx_min_rows(0)
 
 
 def test_bundled_gguf_blocks(quantized_model, dense_model) -> None:
