@@ -142,6 +142,23 @@ def test_amx_tiles_give_the_same_bits_at_every_row_count(fmt: str) -> None:
         assert torch.ops.tandem_cpu.amx_min_rows() == 0  # the 512-bit loops alone
 
 
+@pytest.mark.skipif("amx" not in cpu_kernel.instruction_sets(), reason="this CPU (or its OS) gives no AMX-INT8 tiles")
+@pytest.mark.parametrize("fmt", INTERLEAVED)
+def test_amx_outputs_of_a_mebibyte_are_streamed_with_the_same_bits(fmt: str) -> None:
+    """From 1 MiB of output the tiles write y with non-temporal stores (quant_x8_amx.h): the same bits as avx2's,
+    with each thread's last stores fenced before the threads join; 2,056 rows (not a multiple of 16) store plainly."""
+    x = torch.randn(160, 64, generator=torch.Generator().manual_seed(11))
+    for rows in (2048, 2056):
+        w, _ = random_weight(fmt, rows, 64, seed=11)
+        assert x.shape[0] * rows * 4 >= 1 << 20
+        with cpu_kernel.instruction_set("avx2"):
+            expected = quant_linear.linear(x, w)
+        with cpu_kernel.instruction_set("amx"):
+            for n in (1, 2, 3):
+                with torch_threads(n):
+                    assert torch.equal(quant_linear.linear(x, w), expected), (rows, n)
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_groups_stored_two_by_two_give_the_same_bits(fmt: str) -> None:
     """x8p holds x8's blocks in another order (9 groups: 4 pairs and a lone one): the same products, bit for
