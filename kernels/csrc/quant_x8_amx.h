@@ -138,9 +138,11 @@ inline void tile_run_of(int R, const tandem_quant::QuantizedX& x, int64_t m0, in
 //
 // An output of kStreamedOutputBytes or more (prefill chunks) is written with non-temporal stores: y's rows are N
 // floats apart, and each pair writes one 64-byte line of every row, so with N a multiple of 1,024 (gate_up: 3,072)
-// all of a tile's lines fall in one L1 set, and each store first read its line. gate_up of 352 rows alone, alternated
-// with plain stores: 0.83x (0.75-0.87); a 500-token prefill 0.95x (0.91-1.00), 350 tokens 0.98x. Below it (decode
-// batches: 48 rows of gate_up are 590 KB) y stays in cache for the op that reads it next.
+// all of a tile's lines fall in one L1 set, where plain stores, each reading its line first, evict one another (the
+// likely cause: this VM has no counters to show it). gate_up of 352 rows alone, alternated with plain stores: 0.83x
+// (0.75-0.87); a 500-token prefill 0.95x (0.91-1.00), 350 tokens 0.98x. Below it (decode batches: 48 rows of gate_up
+// are 590 KB) y stays in cache for the op that reads it next. A line that is not whole (x8's pairs may start at an
+// odd group) is stored plainly.
 constexpr int64_t kStreamedOutputBytes = int64_t{1} << 20;
 
 template <bool kQ4_1>
@@ -157,8 +159,7 @@ inline void x8_pair_groups_amx(const tandem_quant::QuantizedX& x, int64_t M, int
     float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc_buffer.data()) + 63) & ~uintptr_t{63});
     const int64_t tiles = (M + 15) / 16, R = (M + tiles - 1) / tiles, big = M - tiles * (R - 1);
     const std::pair<int64_t, int64_t> sizes[2] = {{R, big}, {R - 1, tiles - big}};  // (rows, tiles of them)
-    const bool stream = M * N * static_cast<int64_t>(sizeof(float)) >= kStreamedOutputBytes && N % 16 == 0 &&
-                        (reinterpret_cast<uintptr_t>(y) & 63) == 0;  // then every row's pair of groups is a line
+    const bool stream = M * N * static_cast<int64_t>(sizeof(float)) >= kStreamedOutputBytes;
     int64_t m0 = 0;
     UnpackedRun run;
     for (const auto& [rows, count] : sizes) {
@@ -176,8 +177,9 @@ inline void x8_pair_groups_amx(const tandem_quant::QuantizedX& x, int64_t M, int
         }
         for (int64_t r = 0; r < count * rows; ++r) {
           float* out = y + (m0 + r) * N + p * 8;
-          if (stream) _mm512_stream_ps(out, _mm512_load_ps(acc + 16 * r));
-          else _mm512_storeu_ps(out, _mm512_load_ps(acc + 16 * r));
+          const __m512 row = _mm512_load_ps(acc + 16 * r);
+          if (stream && (reinterpret_cast<uintptr_t>(out) & 63) == 0) _mm512_stream_ps(out, row);
+          else _mm512_storeu_ps(out, row);
         }
       }
       m0 += count * rows;

@@ -146,7 +146,8 @@ def test_amx_tiles_give_the_same_bits_at_every_row_count(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", INTERLEAVED)
 def test_amx_outputs_of_a_mebibyte_are_streamed_with_the_same_bits(fmt: str) -> None:
     """From 1 MiB of output the tiles write y with non-temporal stores (quant_x8_amx.h): the same bits as avx2's,
-    with each thread's last stores fenced before the threads join; 2,056 rows (not a multiple of 16) store plainly."""
+    with each thread's last stores fenced before the threads join. With 2,056 columns every other row's lines are
+    not whole: those are stored plainly."""
     x = torch.randn(160, 64, generator=torch.Generator().manual_seed(11))
     for rows in (2048, 2056):
         w, _ = random_weight(fmt, rows, 64, seed=11)
