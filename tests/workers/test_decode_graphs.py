@@ -1,7 +1,7 @@
 """``DecodeGraphs``' buffers and padding on CPU: its graphs replaced by eager forwards over the same static
 buffers (what a replay computes), so the staging, padding and size choice are tested without a GPU
 (``test_engine_cuda.py`` replays real graphs). Triton attention runs in the interpreter here, where a test reads
-the buffers through it; whole engine runs use the compiled CPU attention."""
+the buffers through it; whole engine runs use the compiled CPU attention (CPU_ATTENTION)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,16 @@ import random
 import pytest
 import torch
 
+from kernels import cpu_kernel
 from tests.tiny_model import tiny_model
 from workers.engine.config import EngineConfig
 from workers.engine.decode_graphs import DecodeGraphs, capture_sizes
 from workers.engine.engine import CompletionResult, Engine
 from workers.protocol.sampling_params import SamplingParams
+
+# Whole engine runs attend with the compiled CPU kernel; where it does not build, with Triton's interpreter (slow),
+# not torch's path: over it, padded steps gave other greedy tokens than eager ones (TANDEM_CPU_KERNEL=0).
+CPU_ATTENTION = "cpu" if cpu_kernel.available() else "triton"
 
 
 class _Replay:
@@ -80,11 +85,11 @@ def test_padded_steps_give_eager_tokens_as_the_batch_shrinks(default_model_and_t
     prompts, params = shrinking_batch(4, 70, 3)
     results = {}
     for padded in (True, False):
-        engine = Engine(EngineConfig(num_kv_blocks=200, max_num_seqs=16, attention_backend="cpu",
+        engine = Engine(EngineConfig(num_kv_blocks=200, max_num_seqs=16, attention_backend=CPU_ATTENTION,
                                      prefill_chunk_size=32), model=model, tokenizer=tokenizer)
         if padded:
             graphs = EagerDecodeGraphs(model, engine.runner.kv_cache, block_size=16, max_batch=16, max_model_len=512,
-                                       backend="cpu")
+                                       backend=CPU_ATTENTION)
             graphs.capture()
             engine.runner.decode_graphs = graphs
         results[padded] = engine.generate(prompts, params)

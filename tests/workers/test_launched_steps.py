@@ -1,8 +1,8 @@
 """Decode steps launched without waiting (``Engine.step`` on a GPU: a CUDA-graph replay sampled by argmax), the
 next step queued behind each before its tokens are read (follow-on steps). Here the graphs are eager forwards
 over the graphs' own buffers (``EagerDecodeGraphs``), so the engine takes the launched path on CPU, its attention
-the compiled CPU kernel (interpreted Triton kernels made this module ~2 minutes; test_decode_graphs.py reads the
-graphs' padding through them); ``test_engine_cuda.py`` runs real graphs."""
+the compiled CPU kernel where it builds (``CPU_ATTENTION``: interpreted Triton kernels made this module ~2 minutes;
+test_decode_graphs.py reads the graphs' padding through them); ``test_engine_cuda.py`` runs real graphs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TypeVar
 import pytest
 
 from tests.tiny_model import tiny_model
-from tests.workers.test_decode_graphs import EagerDecodeGraphs
+from tests.workers.test_decode_graphs import CPU_ATTENTION, EagerDecodeGraphs
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, StepResult
 from workers.engine.model_runner import LaunchedStep
@@ -33,12 +33,13 @@ def make_engine(model_and_tokenizer, launched: bool, num_kv_blocks: int = 200, m
     """An engine, and a list that grows by one for each step it launched: whether it was a follow-on step
     (planned before the step it follows was read, its inputs that step's tokens on the device)."""
     model, tokenizer = model_and_tokenizer
-    engine = Engine(EngineConfig(num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, attention_backend="cpu",
-                                 prefill_chunk_size=32), model=model, tokenizer=tokenizer)
+    config = EngineConfig(num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, attention_backend=CPU_ATTENTION,
+                          prefill_chunk_size=32)
+    engine = Engine(config, model=model, tokenizer=tokenizer)
     launches: list[bool] = []
     if launched:
         graphs = EagerDecodeGraphs(model, engine.runner.kv_cache, block_size=16, max_batch=max_num_seqs,
-                                   max_model_len=512, backend="cpu")
+                                   max_model_len=512, backend=CPU_ATTENTION)
         graphs.capture()
         engine.runner.decode_graphs = graphs
         launches = record_launches(engine, lambda out: out.fed_from is not None)
