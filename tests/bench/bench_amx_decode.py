@@ -1,6 +1,6 @@
 """Engine steps with the quantized matrices on AMX tiles against the 512-bit VNNI loops, side by side.
 
-    .venv/bin/python tests/bench/bench_amx_decode.py [--batches 8,12,16,24,32] [--rounds 4] [--steps 30]
+    .venv/bin/python tests/bench/bench_amx_decode.py [--batches 8,12,16,24,32] [--steps 40] [--prompts 6] [--prompt 400]
 
 "amx" (kernels/csrc/quant_x8_amx.h) multiplies on tiles from ``amx_min_rows()`` rows of x; "avx512_vnni" never.
 Both read the same weights (x8p), so one engine (the default model, GGUF blocks, int8 KV cache, no prefix cache)
