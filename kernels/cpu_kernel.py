@@ -59,10 +59,16 @@ def supports(q: Tensor, k_cache: Tensor) -> bool:
             and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= MAX_HEADS_PER_KV)
 
 
+def _query_rows(q: Tensor) -> Tensor:
+    """q as the kernels read it: its token rows may lie apart (a view of QKV's rows: no copy), each row's heads
+    packed."""
+    return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
+
+
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, *,
                            scale: float) -> Tensor:
     """Shapes as ``torch_decode.paged_decode_attention_torch``; fp32 on CPU."""
-    return torch.ops.tandem_cpu.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables.contiguous(),
+    return torch.ops.tandem_cpu.paged_decode_attention(_query_rows(q), k_cache, v_cache, block_tables.contiguous(),
                                                        seq_lens.contiguous(), scale)
 
 
@@ -71,7 +77,7 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     """Shapes as ``torch_paged.paged_prefill_attention_torch``; fp32 queries on CPU, causal after each
     sequence's cached tokens (``kernels/csrc/paged_prefill_cpu.cpp``)."""
     return torch.ops.tandem_cpu.paged_prefill_attention(
-        q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+        _query_rows(q), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
         query_start_loc.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(), scale)
 
 

@@ -8,7 +8,7 @@
 // dequantized once per item straight from the cache (fp32, fp16 or int8 rows), and blocks past the item's last
 // query are never read.
 //
-//   q [T, H, D] fp32 (sequences packed), k_cache/v_cache [num_blocks, block_size, KVH, D] (int8: D + 4),
+//   q [T, H, D] fp32 (sequences packed; its rows may lie apart: a view of QKV), k_cache/v_cache [num_blocks, block_size, KVH, D] (int8: D + 4),
 //   block_tables [S, M] int32, query_start_loc [S + 1] int32, seq_lens [S] int32, scale  ->  out [T, H, D] fp32
 //
 // Query i of sequence s sits at position seq_len - q_len + i and sees keys at positions <= its own.
@@ -23,7 +23,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -149,6 +149,7 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   const float* qp = q.data_ptr<float>();
+  const int64_t q_row = q.stride(0);
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   float* op = out.data_ptr<float>();
@@ -162,11 +163,11 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       const int32_t* table = block_tables.data_ptr<int32_t>() + it.s * block_tables.size(1);
       const int64_t i1 = std::min<int64_t>(q_len, it.i0 + kQueries), ctx = lens[it.s] - q_len;
       if (wide)
-        avx512::attend_item<D, T>(qp, kp, vp, table, block_size, row_stride, it.g, num_heads, per_kv, qsl[it.s], ctx,
-                                  it.i0, i1, scale, op, sc);
+        avx512::attend_item<D, T>(qp, q_row, kp, vp, table, block_size, row_stride, it.g, num_heads, per_kv,
+                                  qsl[it.s], ctx, it.i0, i1, scale, op, sc);
       else
-        avx2::attend_item<D, T>(qp, kp, vp, table, block_size, row_stride, it.g, num_heads, per_kv, qsl[it.s], ctx,
-                                it.i0, i1, scale, op, sc);
+        avx2::attend_item<D, T>(qp, q_row, kp, vp, table, block_size, row_stride, it.g, num_heads, per_kv,
+                                qsl[it.s], ctx, it.i0, i1, scale, op, sc);
     }
   });
 }
@@ -174,7 +175,7 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                                    const at::Tensor& seq_lens, double scale) {
-  tandem_cpu::check_attention_inputs(q, k_cache, v_cache);
+  tandem_cpu::check_attention_inputs(q, k_cache, v_cache, /*strided_rows=*/true);
   const at::ScalarType cache_type = k_cache.scalar_type();
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt, "int32 tables, query starts and lengths only");
@@ -185,7 +186,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const int32_t queries_end = query_start_loc.data_ptr<int32_t>()[seq_lens.numel()];
   TORCH_CHECK(seq_lens.numel() == 0 || queries_end == q.size(0), "the query starts end at ", queries_end,
               ", not at q's ", q.size(0), " rows");
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty(q.sizes(), q.options());  // packed rows, whatever q's stride
   const float fscale = static_cast<float>(scale);
   tandem_cpu::with_head_and_cache(q.size(2), cache_type, [&](auto d, auto t) {
     prefill<decltype(d)::value, decltype(t)>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, fscale,

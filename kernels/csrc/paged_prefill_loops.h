@@ -35,12 +35,13 @@ inline void weigh(const float* p, const float* vb, float* o) {
 }
 
 // One item: queries [i0, i1) of a sequence (its block table at `table`, `ctx` tokens before its first query) for
-// the KV head g's per_kv query heads. Rows go kW to a group (lanes of the scores and of the softmax state); a
-// group's rows are one head's queries i0 + kW h .. i0 + kW h + kW - 1 (rows past i1 compute and are never written).
+// the KV head g's per_kv query heads; q's token rows lie q_row floats apart (a view of QKV's rows: no copy), out's
+// are packed. Rows go kW to a group (lanes of the scores and of the softmax state); a group's rows are one head's
+// queries i0 + kW h .. i0 + kW h + kW - 1 (rows past i1 compute and are never written).
 template <int64_t D, typename T>
-void attend_item(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t block_size,
-                 int64_t row_stride, int64_t g, int64_t num_heads, int64_t per_kv, int64_t q_start, int64_t ctx,
-                 int64_t i0, int64_t i1, float scale, float* out, Scratch& sc) {
+void attend_item(const float* q, int64_t q_row, const T* k_cache, const T* v_cache, const int32_t* table,
+                 int64_t block_size, int64_t row_stride, int64_t g, int64_t num_heads, int64_t per_kv, int64_t q_start,
+                 int64_t ctx, int64_t i0, int64_t i1, float scale, float* out, Scratch& sc) {
   static_assert(kQueries % kW == 0 && D % kW == 0, "whole groups of rows, whole registers of a row");
   constexpr int64_t kGroupsPerHead = kQueries / kW;
   const int64_t rows = per_kv * kQueries, groups = rows / kW, n = i1 - i0;
@@ -54,7 +55,7 @@ void attend_item(const float* q, const T* k_cache, const T* v_cache, const int32
   sc.l.assign(rows, 0.f);
   for (int64_t j = 0; j < per_kv; ++j)
     for (int64_t i = 0; i < n; ++i) {
-      const float* src = q + ((q_start + i0 + i) * num_heads + g * per_kv + j) * D;
+      const float* src = q + (q_start + i0 + i) * q_row + (g * per_kv + j) * D;
       const int64_t r = j * kQueries + i;
       float* dst = sc.qt.data() + (r / kW) * D * kW + r % kW;  // [group][d][lane]
       for (int64_t d = 0; d < D; ++d) dst[d * kW] = src[d] * scale;

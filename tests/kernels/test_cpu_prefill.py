@@ -98,6 +98,27 @@ def test_any_thread_count_gives_the_same_rows(threads: int) -> None:
     assert (got.double() - expected).abs().max().item() < 1e-4  # fp32 sums and exp_u20, outputs of ~1-4
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_queries_read_in_place_from_qkv_rows(dtype: torch.dtype) -> None:
+    """The model passes Q as a view of each token's QKV row (rows H + 2 KVH heads apart), no copy: the same output,
+    bit for bit, as from a contiguous copy, with rows packed; a view whose heads are not one run is copied first."""
+    kc, vc, _, _ = cache(100, 16, 3, 64, dtype, seed=11)
+    q, tables, qsl, lens = packed([(300, 283), (77, 5), (40, 40)], 9, 64, 16, 100, seed=12)
+    qkv = torch.cat([q, torch.randn(q.shape[0], 6, 64)], dim=1)
+    q_view = qkv[:, :9]
+    assert not q_view.is_contiguous()
+    for isa in cpu_kernel.instruction_sets():
+        with cpu_kernel.instruction_set(isa):
+            want = torch.ops.tandem_cpu.paged_prefill_attention(q, kc, vc, tables, qsl, lens, 0.125)
+            got = torch.ops.tandem_cpu.paged_prefill_attention(q_view, kc, vc, tables, qsl, lens, 0.125)
+        assert got.is_contiguous() and torch.equal(got, want), isa
+    heads_apart = qkv.transpose(1, 2).contiguous().transpose(1, 2)[:, :9]  # a head's values 15 floats apart
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.tandem_cpu.paged_prefill_attention(heads_apart, kc, vc, tables, qsl, lens, 0.125)
+    assert torch.equal(cpu_kernel.paged_prefill_attention(heads_apart, kc, vc, tables, qsl, lens, scale=0.125),
+                       cpu_kernel.paged_prefill_attention(q, kc, vc, tables, qsl, lens, scale=0.125))
+
+
 def test_a_query_sees_no_key_past_its_position() -> None:
     """Keys after a query's position are made huge: any leak of them into the output shows."""
     kc, vc, _, _ = cache(8, 16, 1, 32, torch.float32, seed=3)
