@@ -16,7 +16,6 @@ Printed per round; the ratios are split / team (below 1: the split is faster).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import random
@@ -29,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from kernels.batch_split import BatchSplitChooser  # noqa: E402
 from tests.bench.bench_quant_decode import decode_step_seconds, read_bandwidth  # noqa: E402
 from tests.bench.bench_step_team import stack_seconds  # noqa: E402
-from tests.bench.engine_steps import compiled_cpu_engine  # noqa: E402
+from tests.bench.engine_steps import compiled_cpu_engine, step_bench_options  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 
 CASES = [(2, 170), (4, 170), (8, 170), (16, 170), (8, 450), (16, 450)]
@@ -59,11 +58,7 @@ def engine_ms(engine: Engine, ways: BatchSplitChooser, steps: int, rng: random.R
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    args = parser.parse_args()
+    args = step_bench_options(__doc__)
     engine = compiled_cpu_engine(args.threads)
     rng = random.Random(0)
     decode_step_seconds(engine, 1, 8, rng)  # warm-up

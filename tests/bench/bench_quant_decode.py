@@ -22,7 +22,6 @@ printed are medians of each round's own ratio, with their range.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -39,6 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from kernels import cpu_kernel  # noqa: E402
 from kernels.cpu_kernel import instruction_sets  # noqa: E402
 from kernels.quant_linear import QuantizedWeight  # noqa: E402
+from tests.bench.engine_steps import step_bench_options  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.model.llama import LlamaModel  # noqa: E402
@@ -127,11 +127,7 @@ def measure_round(engine: Engine, rng: random.Random, steps: int) -> Round:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    args = parser.parse_args()
+    args = step_bench_options(__doc__, rounds=5, steps=40)
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     if not cpu_kernel.available():  # also loads the kernels' ops

@@ -14,7 +14,6 @@ the torch path, 4.35 compiled; temperature 1: 4.9 against 4.05. Batch 1, top_p 0
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -26,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kernels import sampling  # noqa: E402
 from tests.bench.bench_quant_decode import decode_step_seconds  # noqa: E402
-from tests.bench.engine_steps import compiled_cpu_engine  # noqa: E402
+from tests.bench.engine_steps import compiled_cpu_engine, step_bench_options  # noqa: E402
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),
@@ -37,11 +36,7 @@ SETTINGS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    args = parser.parse_args()
+    args = step_bench_options(__doc__)
     engine = compiled_cpu_engine(args.threads)
     rng = random.Random(0)
     decode_step_seconds(engine, 1, 4, rng)  # warm-up

@@ -22,7 +22,6 @@ not move the 2-thread figures. Later, back to back: batch 8 with the learned bat
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.bench.bench_quant_decode import decode_step_seconds  # noqa: E402
-from tests.bench.engine_steps import compiled_cpu_engine  # noqa: E402
+from tests.bench.engine_steps import compiled_cpu_engine, step_bench_options  # noqa: E402
 
 # A neighbour: busy for `busy` seconds, asleep for `idle`, until killed.
 NEIGHBOUR = """
@@ -66,11 +65,7 @@ def steps_beside(engine: object, share: tuple[float, float] | None, batch: int, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    args = parser.parse_args()
+    args = step_bench_options(__doc__, rounds=2, steps=60)
     engine = compiled_cpu_engine(args.threads)
     rng = random.Random(0)
     decode_step_seconds(engine, 1, 8, rng)  # warm-up

@@ -19,7 +19,6 @@ head 0.55-0.6, host 0.19.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -34,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.bench.bench_quant_decode import random_prompt  # noqa: E402
 from tests.bench.bench_step_team import stack_seconds  # noqa: E402
-from tests.bench.engine_steps import PartTimer, compiled_cpu_engine  # noqa: E402
+from tests.bench.engine_steps import PartTimer, compiled_cpu_engine, step_bench_options  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.protocol.sampling_params import SamplingParams  # noqa: E402
 
@@ -82,11 +81,7 @@ def step_parts(engine: Engine, timer: PartTimer, batch: int, steps: int, rng: ra
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    args = parser.parse_args()
+    args = step_bench_options(__doc__)
     engine = compiled_cpu_engine(args.threads)
     model = engine.model
     assert model.decoder_stack is not None, "the default model's GGUF weights take the compiled stack"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -12,6 +14,16 @@ import torch
 from kernels import cpu_kernel
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
+
+
+def step_bench_options(doc: str | None, *, rounds: int = 3, steps: int = 30) -> argparse.Namespace:
+    """The command line every engine-step bench takes: --rounds, --steps (each a median's samples) and --threads
+    (default: every CPU), with the bench's docstring as its help."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    return parser.parse_args()
 
 
 def compiled_cpu_engine(threads: int) -> Engine:
