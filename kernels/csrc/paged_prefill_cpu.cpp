@@ -8,8 +8,9 @@
 // dequantized once per item straight from the cache (fp32, fp16 or int8 rows), and blocks past the item's last
 // query are never read.
 //
-//   q [T, H, D] fp32 (sequences packed; its rows may lie apart: a view of QKV), k_cache/v_cache [num_blocks, block_size, KVH, D] (int8: D + 4),
-//   block_tables [S, M] int32, query_start_loc [S + 1] int32, seq_lens [S] int32, scale  ->  out [T, H, D] fp32
+//   q [T, H, D] fp32 (sequences packed; its token rows may lie apart: a view of QKV), k_cache/v_cache
+//   [num_blocks, block_size, KVH, D] (int8: D + 4), block_tables [S, M] int32, query_start_loc [S + 1] int32,
+//   seq_lens [S] int32, scale  ->  out [T, H, D] fp32 (rows packed)
 //
 // Query i of sequence s sits at position seq_len - q_len + i and sees keys at positions <= its own.
 //
