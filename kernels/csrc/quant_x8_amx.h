@@ -1,7 +1,7 @@
 // quant_x8_dot512.h's pairs of groups multiplied on AMX tiles, for Xeons with AMX-INT8 (Sapphire Rapids and later)
 // whose OS grants the tile state (cpu_isa.cpp asks once), from amx_min_rows() rows of x (32: cpu_isa.cpp says why
-// not fewer). There the 512-bit loops are bound by their instructions: each (block, pair, row of x) takes 8 dpbusd,
-// 8 broadcasts and an add for its integer sum, and 5 more for its float work. Here one tile multiply does a block's
+// not fewer). There the 512-bit loops are bound by their instructions: each (block, pair, row of x) takes 8 dpbusd
+// and 8 broadcasts for its integer sum, and 5 more for its float work. Here one tile multiply does a block's
 // integer sums for the pair's 16 weight rows and up to 16 rows of x at once, and only the float work stays on vectors
 // (the same instructions as pair_block_rows', in the same order, on the same int32 sums: bit-identical outputs).
 // As llama.cpp's AMX path does, a block's sums go through memory (a tile store) to meet their scales: the GGUF's
