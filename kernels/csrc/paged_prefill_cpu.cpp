@@ -77,6 +77,7 @@ namespace avx2 {
 using R = __m256;
 using Mask = __m256;
 constexpr int kW = 8;
+constexpr int kScoreGroups = 1;  // groups scored at once: 8 accumulators a group, of 16 registers
 inline R load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, R a) { _mm256_storeu_ps(p, a); }
 inline R zero() { return _mm256_setzero_ps(); }
@@ -104,6 +105,7 @@ namespace avx512 {
 using R = __m512;
 using Mask = __mmask16;
 constexpr int kW = 16;
+constexpr int kScoreGroups = 3;  // 24 accumulators, of 32 registers (the bundled model's 3 heads a KV head)
 inline R load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, R a) { _mm512_storeu_ps(p, a); }
 inline R zero() { return _mm512_setzero_ps(); }

@@ -3,19 +3,28 @@
 // so the 512-bit loops do each score and each weighted value of 16 rows in one instruction where the 256-bit ones
 // take two. Every lane's arithmetic is the same in either (the same FMAs over d and over keys in the same order,
 // the same exp: vec512_exp.h), so both give the same bits.
-// The namespace defines, before including: R (the register type), Mask (a compare's result), kW (lanes in R), and
+// The namespace defines, before including: R (the register type), Mask (a compare's result), kW (lanes in R),
+// kScoreGroups (groups of rows scored at once), and
 // load / store / zero / set1 / bcast (a float at an address into every lane) / fmadd / mul / add / sub / max / min /
 // iota (0, 1, ..., kW - 1) / le / gt (compares) / select(mask, if_false, if_true) / keep(a, mask) (a's lanes where
 // set, else +0) / any(mask) / exp (at::vec's exp_u20 a lane).
 
-// Scores of kW rows against a block's kKeys keys, rows in lanes: s[t] = sum_d qt[d] k_t[d] (kKeys accumulators,
-// one a key; each d loads the rows' query values once and broadcasts each key's).
-template <int64_t D>
-inline void scores(const float* qt, const float* kb, R (&s)[kKeys]) {
-  for (int64_t t = 0; t < kKeys; ++t) s[t] = zero();
+// Scores of G groups of kW rows (their transposed queries one after another, D * kW floats apart) against a
+// block's kKeys keys, rows in lanes: s[g][t] = sum_d q[d] k_t[d] (G * kKeys accumulators; each d loads the groups'
+// query values and broadcasts each key's once for all G). One group at a time took a broadcast load a multiply
+// (8 keys, 8 FMAs, 9 loads a d); three at once, 24 FMAs for 11 loads. Each lane adds over d in the same order
+// whatever G: the same bits.
+template <int64_t D, int G>
+inline void scores(const float* qt, const float* kb, R (&s)[G][kKeys]) {
+  for (int g = 0; g < G; ++g)
+    for (int64_t t = 0; t < kKeys; ++t) s[g][t] = zero();
   for (int64_t d = 0; d < D; ++d) {
-    const R q = load(qt + d * kW);
-    for (int64_t t = 0; t < kKeys; ++t) s[t] = fmadd(bcast(kb + t * D + d), q, s[t]);
+    R q[G];
+    for (int g = 0; g < G; ++g) q[g] = load(qt + g * D * kW + d * kW);
+    for (int64_t t = 0; t < kKeys; ++t) {
+      const R k = bcast(kb + t * D + d);
+      for (int g = 0; g < G; ++g) s[g][t] = fmadd(k, q[g], s[g][t]);
+    }
   }
 }
 
@@ -75,9 +84,8 @@ void attend_item(const float* q, int64_t q_row, const T* k_cache, const T* v_cac
         std::fill_n(sc.vb.data() + t * D, D, 0.f);
       }
     }
-    for (int64_t grp = 0; grp < groups; ++grp) {
-      R s[kKeys];
-      scores<D>(sc.qt.data() + grp * D * kW, sc.kb.data(), s);
+    // A group's scores (lanes: its rows) into its softmax state and weighted values.
+    const auto attend_block = [&](int64_t grp, const R (&s)[kKeys]) {
       // Each lane's query position; a row past the item's queries sees every key of the item (harmless, unused).
       const int64_t first = ctx + i0 + (grp % kGroupsPerHead) * kW;
       const R position = min(add(set1(static_cast<float>(first)), iota()), set1(static_cast<float>(last_key)));
@@ -114,6 +122,17 @@ void attend_item(const float* q, int64_t q_row, const T* k_cache, const T* v_cac
         }
       }
       weigh<D>(p, sc.vb.data(), sc.o.data() + grp * kW * D);
+    };
+    int64_t grp = 0;
+    for (; grp + kScoreGroups <= groups; grp += kScoreGroups) {
+      R s[kScoreGroups][kKeys];
+      scores<D, kScoreGroups>(sc.qt.data() + grp * D * kW, sc.kb.data(), s);
+      for (int g = 0; g < kScoreGroups; ++g) attend_block(grp + g, s[g]);
+    }
+    for (; grp < groups; ++grp) {
+      R s[1][kKeys];
+      scores<D, 1>(sc.qt.data() + grp * D * kW, sc.kb.data(), s);
+      attend_block(grp, s[0]);
     }
   }
   for (int64_t j = 0; j < per_kv; ++j)
