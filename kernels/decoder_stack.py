@@ -23,8 +23,9 @@ from kernels import cpu_kernel
 from kernels.batch_split import BatchSplitChooser
 from kernels.quant_linear import QuantizedWeight
 
-# As decoder_cpu.cpp reads them.
+# As decoder_cpu.cpp reads them; gate_up's plus PAIRED_GATE_UP where its gate and up rows alternate (pair_gate_up).
 FORMAT_CODES = {"q4_1": 0, "q8_0": 1, "q4_1x8": 2, "q8_0x8": 3, "q4_1x8p": 4, "q8_0x8p": 5}
+PAIRED_GATE_UP = 8
 
 
 class LayerTensors(Protocol):
@@ -37,6 +38,7 @@ class LayerTensors(Protocol):
     mlp_norm: Tensor
     gate_up: Tensor | QuantizedWeight
     down: Tensor | QuantizedWeight
+    gate_up_paired: bool
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,9 @@ class DecoderStack:
             qkv, o_proj, gate_up, down = (m.data for m in matrices)
             bias = layer.qkv_bias if layer.qkv_bias is not None else torch.empty(0)
             weights += [layer.attn_norm, qkv, bias, o_proj, layer.mlp_norm, gate_up, down]
-            formats += [FORMAT_CODES[m.format] for m in matrices]
+            codes = [FORMAT_CODES[m.format] for m in matrices]
+            codes[2] += PAIRED_GATE_UP if layer.gate_up_paired else 0
+            formats += codes
         packed = torch.classes.tandem_cpu.DecoderWeights(weights, formats)
         return DecoderStack(packed, num_heads, num_kv_heads, packed.handle())
 

@@ -2,6 +2,8 @@
 
     w = QuantizedWeight("q4_1", data, in_features=576)    # data: the GGUF's blocks, [N, K / 32 * 20] uint8
     y = linear(x, w)                                        # x: [M, K] fp32 -> [M, N]
+    gate_up = pair_gate_up(gate, up)                        # an MLP's two, rows alternating 16 at a time
+    act = linear_silu(x, gate_up)                           # silu(x gate^T) * (x up^T), in one call
 
 Decode at small batch is bound by the bytes of weights a step reads: Q4_1 is 5 bits a weight
 against fp32's 32. The compiled kernels (``kernels/csrc/quant_linear*_cpu.cpp``) multiply straight from
@@ -89,6 +91,31 @@ def interleave(w: QuantizedWeight, pairs: bool | None = None) -> QuantizedWeight
         return w
     data = getattr(torch.ops.tandem_cpu, f"{w.format}_to_{suffix}")(w.data, w.in_features)
     return QuantizedWeight(interleaved, data, w.in_features)
+
+
+# gate_up's rows in pair_gate_up's order alternate this many gate rows and as many up rows (decoder_cpu.cpp and
+# quant_linear_x8_cpu.cpp read the same number).
+SILU_UNIT = 16
+
+
+def pair_gate_up(gate: QuantizedWeight, up: QuantizedWeight, pairs: bool | None = None) -> QuantizedWeight | None:
+    """gate and up stacked for ``linear_silu``: their rows alternating SILU_UNIT at a time (gate rows 0-15, up rows
+    0-15, gate rows 16-31, ...), interleaved by 8 rows (``interleave``, and its ``pairs``). None where that op cannot
+    take them: other formats or widths, or rows not a whole number of units."""
+    if (gate.format != up.format or gate.format not in ("q4_1", "q8_0") or gate.in_features != up.in_features
+            or gate.out_features != up.out_features or gate.out_features % SILU_UNIT):
+        return None
+    units = gate.out_features // SILU_UNIT
+    rows = torch.stack([gate.data.reshape(units, SILU_UNIT, -1), up.data.reshape(units, SILU_UNIT, -1)], dim=1)
+    paired = interleave(QuantizedWeight(gate.format, rows.reshape(2 * gate.out_features, -1), gate.in_features), pairs)
+    return paired if paired.format != gate.format else None
+
+
+def linear_silu(x: Tensor, gate_up: QuantizedWeight) -> Tensor:
+    """silu(gate) * up of ``linear(x, gate_up)`` for a gate_up from ``pair_gate_up``, in one compiled call that
+    applies the SiLU while each thread's columns are in its cache: x [M, K] -> [M, N / 2], the same bits as
+    ``silu_mul`` of the unpaired matrix's output."""
+    return getattr(torch.ops.tandem_cpu, f"{gate_up.format}_linear_silu")(x.contiguous(), gate_up.data)
 
 
 def linear(x: Tensor, w: Tensor | QuantizedWeight, bias: Tensor | None = None) -> Tensor:

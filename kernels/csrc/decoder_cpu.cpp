@@ -13,7 +13,9 @@
 // Per layer, 7 tensors in `weights`:
 //   attn_norm [H], qkv [N_qkv, bytes], qkv_bias [N_qkv] or empty, o_proj, mlp_norm [H], gate_up, down
 // and 4 codes in `formats` (qkv, o_proj, gate_up, down): 0 = Q4_1, 1 = Q8_0, 2 = Q4_1 interleaved by 8 rows,
-// 3 = Q8_0 interleaved by 8 rows, 4 and 5: the same with the groups stored two by two (x8p).
+// 3 = Q8_0 interleaved by 8 rows, 4 and 5: the same with the groups stored two by two (x8p). gate_up's code plus
+// kPairedGateUp (an x8 or x8p one): its gate and up rows alternate every 16, and the SiLU runs inside the matrix
+// (x8_linear_silu_out: each thread on its own columns, no SiLU pass of the leader's).
 //
 //   h [B, hidden] fp32, updated in place to the residual stream after the last layer (final norm not applied)
 //   kv_cache [layers, 2, num_blocks, block_size, KVH, D] (int8: D + 4); cos/sin [B, D]; slot_mapping [B];
@@ -41,6 +43,9 @@ namespace {
 constexpr int64_t kPerLayer = 7;
 constexpr int64_t kFormatsPerLayer = 4;
 constexpr int64_t kMatrixSlots[kFormatsPerLayer] = {1, 3, 5, 6};  // qkv, o_proj, gate_up, down among a layer's 7
+constexpr int64_t kGateUp = 2;        // gate_up's place among a layer's 4 codes
+constexpr int64_t kPairedGateUp = 8;  // added to gate_up's code: see the top
+constexpr int64_t matrix_format(int64_t code) { return code & ~kPairedGateUp; }
 
 // The step's matrices in the order it multiplies them (those in x8 formats: the others' threads split them by
 // rows of 16, and they are not the default), for the team's workers to prefetch (thread_team.h). A target's key
@@ -50,7 +55,7 @@ std::vector<tandem_cpu::PrefetchTarget> prefetch_plan(at::TensorList weights, at
   for (size_t i = 0; i < formats.size(); ++i) {
     const int64_t layer = static_cast<int64_t>(i) / kFormatsPerLayer, matrix = static_cast<int64_t>(i) % kFormatsPerLayer;
     const at::Tensor& w = weights[layer * kPerLayer + kMatrixSlots[matrix]];
-    const bool x8 = formats[i] >= 2 && w.dim() == 2 && w.scalar_type() == at::kByte;  // else linear() refuses it
+    const bool x8 = matrix_format(formats[i]) >= 2 && w.dim() == 2 && w.scalar_type() == at::kByte;  // else refused
     plan.push_back(x8 ? tandem_cpu::x8_prefetch_target(w) : tandem_cpu::PrefetchTarget{nullptr, 0, 0, 1});
     plan.back().key = matrix + kFormatsPerLayer * (std::min<int64_t>(B, 9) - 1);
   }
@@ -94,9 +99,15 @@ struct DecoderWeights : torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer && layers > 0,
                 "weights must hold 7 tensors a layer, got ", weights.size());
     TORCH_CHECK(static_cast<int64_t>(formats.size()) == layers * kFormatsPerLayer, "formats must hold 4 codes a layer");
-    for (const int64_t code : formats)
-      TORCH_CHECK(code >= 0 && code <= 5, "format code ", code, " is none of Q4_1 (0), Q8_0 (1), Q4_1 by 8 rows (2), "
-                  "Q8_0 by 8 rows (3), Q4_1 by 8 rows in pairs (4), Q8_0 by 8 rows in pairs (5)");
+    for (size_t i = 0; i < formats.size(); ++i) {
+      const int64_t code = formats[i];
+      TORCH_CHECK(matrix_format(code) >= 0 && matrix_format(code) <= 5, "format code ", code, " is none of Q4_1 (0), "
+                  "Q8_0 (1), Q4_1 by 8 rows (2), Q8_0 by 8 rows (3), Q4_1 by 8 rows in pairs (4), Q8_0 by 8 rows in "
+                  "pairs (5), each plus ", kPairedGateUp, " for a gate_up whose gate and up rows alternate");
+      const bool gate_up_x8 = static_cast<int64_t>(i) % kFormatsPerLayer == kGateUp && matrix_format(code) >= 2;
+      TORCH_CHECK(!(code & kPairedGateUp) || gate_up_x8, "format code ", code,
+                  ": only gate_up's, in an x8 or x8p format, takes alternating gate and up rows");
+    }
   }
 
   int64_t layers() const { return static_cast<int64_t>(weights.size()) / kPerLayer; }
@@ -162,6 +173,16 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t format, at::Tensor
   if (after != nullptr) (*after)(0, y.size(1));
 }
 
+// act = silu(gate) * up of x w^T for a gate_up whose gate and up rows alternate (an x8 or x8p format).
+void linear_silu(const at::Tensor& x, const at::Tensor& w, int64_t format, at::Tensor& act) {
+  switch (format) {
+    case 2: tandem_cpu::q4_1x8_linear_silu_out(x, w, act); return;
+    case 3: tandem_cpu::q8_0x8_linear_silu_out(x, w, act); return;
+    case 4: tandem_cpu::q4_1x8p_linear_silu_out(x, w, act); return;
+    default: tandem_cpu::q8_0x8p_linear_silu_out(x, w, act); return;
+  }
+}
+
 // The rows a matrix gives: x8 and x8p formats hold 8 rows a group.
 int64_t out_rows(const at::Tensor& w, int64_t format) { return w.size(0) * (format >= 2 ? 8 : 1); }
 
@@ -183,7 +204,8 @@ void decode_rows(at::Tensor& h, const DecoderWeights& packed, const at::Tensor& 
   // Every layer's activations have one shape: one buffer each for the whole step, not a tensor an op a layer. All
   // in one allocation, and they and the views below made by at::from_blob, past the dispatcher: seven at::empty and
   // eleven narrow, view and select calls took ~25 us a step.
-  const int64_t hidden = h.size(1), qkv_width = q_size + 2 * kv_size, gate_up_width = out_rows(weights[5], formats[2]);
+  const int64_t hidden = h.size(1), qkv_width = q_size + 2 * kv_size;
+  const int64_t gate_up_width = out_rows(weights[5], matrix_format(formats[kGateUp]));
   const at::Tensor scratch = at::empty({B * (4 * hidden + qkv_width + q_size + gate_up_width + gate_up_width / 2)},
                                        h.options());
   float* free_at = scratch.data_ptr<float>();
@@ -231,11 +253,20 @@ void decode_rows(at::Tensor& h, const DecoderWeights& packed, const at::Tensor& 
                               const tandem_cpu::ColumnsDone* after = nullptr) {
       tandem_cpu::prefetch_reached(i * kFormatsPerLayer + j);
       const at::Tensor& w = weights[i * kPerLayer + kMatrixSlots[j]];
-      const int64_t format = formats[i * kFormatsPerLayer + j];
+      const int64_t format = matrix_format(formats[i * kFormatsPerLayer + j]);
       static constexpr const char* kNames[kFormatsPerLayer] = {"qkv", "o_proj", "gate_up", "down"};
       TORCH_CHECK(out_rows(w, format) == out.size(1), "layer ", i, ": ", kNames[j], " has ", out_rows(w, format),
                   " rows, the heads and sizes need ", out.size(1));
       linear(in, w, format, out, after);
+    };
+    // gate_up in a paired format, and its SiLU: act = silu(gate) * up.
+    const auto multiply_silu = [&](int64_t i, const at::Tensor& in, at::Tensor& out) {
+      tandem_cpu::prefetch_reached(i * kFormatsPerLayer + kGateUp);
+      const at::Tensor& w = weights[i * kPerLayer + kMatrixSlots[kGateUp]];
+      const int64_t format = matrix_format(formats[i * kFormatsPerLayer + kGateUp]);
+      TORCH_CHECK(out_rows(w, format) == 2 * out.size(1), "layer ", i, ": gate_up has ", out_rows(w, format),
+                  " rows, the sizes need ", 2 * out.size(1));
+      linear_silu(in, w, format, out);
     };
     using tandem_cpu::StepPhase;
     tandem_cpu::StepPhaseClock clock(clocked);
@@ -281,9 +312,14 @@ void decode_rows(at::Tensor& h, const DecoderWeights& packed, const at::Tensor& 
       clock.mark(StepPhase::kOProj);
       tandem_cpu::add_rms_norm_out_(h, o_proj, w[4], eps, x);
       clock.mark(StepPhase::kMlpNorm);
-      multiply(i, 2, x, gate_up);
-      clock.mark(StepPhase::kGateUp);
-      tandem_cpu::silu_mul_out(gate_up, act);
+      if (formats[i * kFormatsPerLayer + kGateUp] & kPairedGateUp) {
+        multiply_silu(i, x, act);
+        clock.mark(StepPhase::kGateUp);
+      } else {
+        multiply(i, kGateUp, x, gate_up);
+        clock.mark(StepPhase::kGateUp);
+        tandem_cpu::silu_mul_out(gate_up, act);
+      }
       clock.mark(StepPhase::kSilu);
       multiply(i, 3, act, mlp_out);
       clock.mark(StepPhase::kDown);

@@ -66,6 +66,8 @@ namespace avx512 {
 #include "vec512_exp.h"
 
 // out = silu(g) * u over n values on 16 lanes, a lane as at::vec's a / (1 + exp(-a)) * b: the same bits.
+// kStream: out 64-byte aligned, n a multiple of 16, written past the cache (non-temporal).
+template <bool kStream = false>
 void silu_mul_row(float* out, const float* g, const float* u, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f);
   const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
@@ -74,7 +76,11 @@ void silu_mul_row(float* out, const float* g, const float* u, int64_t n) {
     return _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(one, e)), b);
   };
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, silu_mul(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = silu_mul(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i));
+    if constexpr (kStream) _mm512_stream_ps(out + i, v);
+    else _mm512_storeu_ps(out + i, v);
+  }
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
   if (tail != 0) {
     const __m512 a = _mm512_maskz_loadu_ps(tail, g + i), b = _mm512_maskz_loadu_ps(tail, u + i);
@@ -83,6 +89,13 @@ void silu_mul_row(float* out, const float* g, const float* u, int64_t n) {
 }
 }  // namespace avx512
 #pragma GCC pop_options
+
+// out[i] = silu(g[i]) * u[i]: on 512-bit vectors where the kernels run AVX-512 (half the instructions; a batch-8
+// decode step's SiLU is ~4 us a layer on one thread), the same bits as at::vec's 256-bit ones.
+void silu_mul_span(float* out, const float* g, const float* u, int64_t n, bool wide) {
+  if (wide) avx512::silu_mul_row(out, g, u, n);
+  else at::vec::map2([](Vec a, Vec b) { return a / (Vec(1.f) + a.neg().exp_u20()) * b; }, out, g, u, n);
+}
 
 }  // namespace
 
@@ -132,19 +145,24 @@ void silu_mul_out(const at::Tensor& gu, at::Tensor& out) {
   TORCH_CHECK(gu.size(1) % 2 == 0, "gu must hold gate and up halves");
   const int64_t M = gu.size(0), I = gu.size(1) / 2;
   check_out(out, M, I);
-  // 512-bit vectors where the kernels run AVX-512 (half the instructions; a batch-8 decode step's SiLU is ~4 us a
-  // layer on one thread), the same bits as at::vec's 256-bit ones.
   const bool wide = tandem_cpu::isa() == tandem_cpu::Isa::kAvx512Vnni;
   tandem_cpu::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* g = gu.data_ptr<float>() + m * gu.stride(0);
-      if (wide)
-        avx512::silu_mul_row(out.data_ptr<float>() + m * I, g, g + I, I);
-      else
-        at::vec::map2([](Vec a, Vec b) { return a / (Vec(1.f) + a.neg().exp_u20()) * b; },
-                      out.data_ptr<float>() + m * I, g, g + I, I);
+      silu_mul_span(out.data_ptr<float>() + m * I, g, g + I, I, wide);
     }
   });
+}
+
+void silu_mul_units(float* out, const float* gu, int64_t units, int64_t unit, bool stream) {
+  const bool wide = tandem_cpu::isa() == tandem_cpu::Isa::kAvx512Vnni;
+  if (stream && wide && unit % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
+    for (int64_t k = 0; k < units; ++k)
+      avx512::silu_mul_row<true>(out + k * unit, gu + 2 * k * unit, gu + (2 * k + 1) * unit, unit);
+    return;
+  }
+  for (int64_t k = 0; k < units; ++k)
+    silu_mul_span(out + k * unit, gu + 2 * k * unit, gu + (2 * k + 1) * unit, unit, wide);
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) {

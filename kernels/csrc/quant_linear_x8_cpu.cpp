@@ -32,6 +32,8 @@
 //   q4_1x8_linear / q8_0x8_linear: x [M, K] fp32 -> y [M, N] fp32
 //   q4_1x8_dequantize / q8_0x8_dequantize: -> [N, K] fp32, bit-exact with the gguf package
 //   q4_1x8_rows / q8_0x8_rows: w, ids [T] int64 -> [T, K] fp32, those rows of the same
+//   q4_1x8_linear_silu / q8_0x8_linear_silu: x [M, K], w a gate_up whose gate and up rows alternate every 16
+//     -> silu(gate) * up [M, N / 2] fp32 (x8_linear_silu_out)
 //   (and each of these for x8p: q4_1x8p_linear, ...)
 // The instruction set is cpu_isa.cpp's (torch.ops.tandem_cpu.set_isa): every one gives bit-identical outputs.
 
@@ -46,8 +48,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "quant_blocks.h"
 #include "tandem_cpu.h"
@@ -91,6 +95,15 @@ struct X8Layout {
     while (end + 2 <= g1 && (!pairs || paired(end))) end += 2;
     return {first, end};
   }
+};
+
+// Where the loops write group g's 8 columns for row r of x: at + r * ld + (g - first) * 8. A whole y [M, N] is
+// {y, N, 0}; x8_linear_silu_out gives each thread a scratch of its own groups alone.
+struct GroupOutput {
+  float* at;
+  int64_t ld, first;
+
+  float* group(int64_t g) const { return at + (g - first) * 8; }
 };
 
 struct Q4_1x8 {
@@ -194,18 +207,9 @@ at::Tensor to_x8(const at::Tensor& w, int64_t K) {
   return out;
 }
 
-template <typename F, bool kPairs>
-void x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const tandem_cpu::ColumnsDone* after) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] contiguous fp32");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32, got ", x.size(1));
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N / 8, bytes] uint8");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock, groups = w.size(0), N = groups * kX8Rows;
-  TORCH_CHECK(w.size(1) == nb * F::kBytes, "w has ", w.size(1), " bytes a group; K=", K, " needs ", nb * F::kBytes);
-  tandem_cpu::check_out(y, M, N);
-  const QuantizedX& qx = quantize_x(x.data_ptr<float>(), M, K);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  constexpr bool kQ4_1 = F::kBytes == Q4_1x8::kBytes;
+// The loop over groups for M rows of x on this CPU's instruction set: every one gives the same bits.
+template <bool kQ4_1>
+auto groups_loop(int64_t M) {
   auto* groups_fn = &avx2::x8_groups<kQ4_1>;
   const tandem_cpu::Isa isa = tandem_cpu::isa();
   if (isa == tandem_cpu::Isa::kAvx512Vnni)
@@ -214,16 +218,90 @@ void x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, cons
   const int64_t amx_rows = tandem_cpu::amx_min_rows();
   if (amx_rows > 0 && M >= amx_rows) groups_fn = &avx512_vnni::x8_pair_groups_amx<kQ4_1>;  // same bits again
   if (isa == tandem_cpu::Isa::kAvxVnni) groups_fn = &avx_vnni::x8_groups<kQ4_1>;
+  return groups_fn;
+}
+
+// x [M, K] fp32 and w [N / 8, K / 32 * F::kBytes] checked; returns M, N and w's blocks a group (nb).
+template <typename F>
+std::tuple<int64_t, int64_t, int64_t> check_x8_operands(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] contiguous fp32");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32, got ", x.size(1));
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N / 8, bytes] uint8");
+  const int64_t K = x.size(1), nb = K / kBlock;
+  TORCH_CHECK(w.size(1) == nb * F::kBytes, "w has ", w.size(1), " bytes a group; K=", K, " needs ", nb * F::kBytes);
+  return {x.size(0), w.size(0) * kX8Rows, nb};
+}
+
+template <typename F, bool kPairs>
+void x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const tandem_cpu::ColumnsDone* after) {
+  const auto [M, N, nb] = check_x8_operands<F>(x, w);
+  const int64_t groups = N / kX8Rows;
+  tandem_cpu::check_out(y, M, N);
+  const QuantizedX& qx = quantize_x(x.data_ptr<float>(), M, x.size(1));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const auto groups_fn = groups_loop<F::kBytes == Q4_1x8::kBytes>(M);
   // Each thread walks its own groups of weight rows; every group meets all of x (M small: x stays in L1/L2). In a
   // decode step's thread team the workers have prefetched theirs (x8_prefetch_target): a smaller share for the
   // leader. A row's output does not depend on the cut (an odd group on the 256-bit loop gives the same bits).
   const auto share = [&](int64_t begin, int64_t end) {
-    groups_fn(qx, M, nb, wp, begin, end, yp, N, kPairs);
+    groups_fn(qx, M, nb, wp, begin, end, GroupOutput{yp, N, 0}, N, kPairs);
     if (after != nullptr) (*after)(begin * kX8Rows, end * kX8Rows);
   };
   // (A caller finishing heads of columns as they are done, the decode stack's QKV, keeps its halves.)
   if (M >= kSharedRows && after == nullptr) tandem_cpu::shared_parallel_for(0, groups, kGroupGrain, share);
   else tandem_cpu::prefetched_parallel_for(0, groups, kGroupGrain, share);
+}
+
+// gate_up's rows alternate gate and up every kSiluUnit rows (unit u: gate rows 16u .. 16u + 15, then up's; see
+// kernels/quant_linear.py pair_gate_up): a unit's gate and up groups are kGroupGrain groups, the least a thread
+// takes.
+constexpr int64_t kSiluUnit = 16, kUnitGroups = 2 * kSiluUnit / kX8Rows;
+constexpr int64_t kStreamedActBytes = int64_t{1} << 20;
+static_assert(kUnitGroups == kGroupGrain, "a thread's share holds whole units");
+
+// act [M, N / 2] = silu(gate) * up of y = x w^T, where w is such a gate_up: each thread multiplies its own units
+// into a scratch of them alone and applies the SiLU while they sit in its cache. Against the matrix then silu_mul:
+// no y [M, N] written out and read back (a 500-token prefill's gate_up is 6 MB a layer, streamed past the cache by
+// quant_x8_amx.h, then read again) and no pass of its own in a decode step (the leader's, reading the other core's
+// half). The same sums and the same SiLU: the same bits.
+template <typename F, bool kPairs>
+void x8_linear_silu_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& act) {
+  const auto [M, N, nb] = check_x8_operands<F>(x, w);
+  const int64_t groups = N / kX8Rows, I = N / 2;
+  TORCH_CHECK(groups % kUnitGroups == 0, "gate_up's ", N, " rows are not whole units of gate and up (", kSiluUnit,
+              " rows each)");
+  tandem_cpu::check_out(act, M, I);
+  const QuantizedX& qx = quantize_x(x.data_ptr<float>(), M, x.size(1));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* ap = act.data_ptr<float>();
+  const auto groups_fn = groups_loop<F::kBytes == Q4_1x8::kBytes>(M);
+  // A prefill chunk's act (1.5 MB at 256 rows here) goes past the cache: each unit writes one line of every row,
+  // 6 KB apart, and read for ownership they stalled the loop (500 rows: 1.05x the unfused matrix and silu_mul).
+  const bool stream = M * I * static_cast<int64_t>(sizeof(float)) >= kStreamedActBytes;
+  const auto share = [&](int64_t begin, int64_t end) {
+    // The units whose first group lies in [begin, end): a cut inside a unit (the team's split is in whole units
+    // only once it has learned one) leaves it whole to the thread before.
+    const int64_t u0 = (begin + kUnitGroups - 1) / kUnitGroups, u1 = (end + kUnitGroups - 1) / kUnitGroups;
+    if (u0 >= u1) return;
+    const int64_t ld = (u1 - u0) * 2 * kSiluUnit;
+    thread_local std::vector<float> scratch;  // a thread's own: ~50 KB at batch 8, 64 KB a 512-row prefill chunk
+    scratch.resize(static_cast<size_t>(M * ld));
+    groups_fn(qx, M, nb, wp, u0 * kUnitGroups, u1 * kUnitGroups, GroupOutput{scratch.data(), ld, u0 * kUnitGroups},
+              N, kPairs);
+    for (int64_t r = 0; r < M; ++r)
+      tandem_cpu::silu_mul_units(ap + r * I + u0 * kSiluUnit, scratch.data() + r * ld, u1 - u0, kSiluUnit, stream);
+    if (stream) _mm_sfence();  // non-temporal stores are weakly ordered: visible before the threads join
+  };
+  if (M >= kSharedRows) tandem_cpu::shared_parallel_for(0, groups, kGroupGrain, share);
+  else tandem_cpu::prefetched_parallel_for(0, groups, kGroupGrain, share);
+}
+
+template <typename F, bool kPairs>
+at::Tensor x8_linear_silu(const at::Tensor& x, const at::Tensor& w) {
+  at::Tensor act = at::empty({x.size(0), w.size(0) * kX8Rows / 2}, x.options());
+  x8_linear_silu_out<F, kPairs>(x, w, act);
+  return act;
 }
 
 template <typename F, bool kPairs>
@@ -292,6 +370,19 @@ void q8_0x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y,
   x8_linear_out<Q8_0x8, true>(x, w, y, after);
 }
 
+void q4_1x8_linear_silu_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& act) {
+  x8_linear_silu_out<Q4_1x8, false>(x, w, act);
+}
+void q8_0x8_linear_silu_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& act) {
+  x8_linear_silu_out<Q8_0x8, false>(x, w, act);
+}
+void q4_1x8p_linear_silu_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& act) {
+  x8_linear_silu_out<Q4_1x8, true>(x, w, act);
+}
+void q8_0x8p_linear_silu_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& act) {
+  x8_linear_silu_out<Q8_0x8, true>(x, w, act);
+}
+
 PrefetchTarget x8_prefetch_target(const at::Tensor& w) {
   return {w.data_ptr<uint8_t>(), w.size(1), w.size(0), kGroupGrain};
 }
@@ -301,18 +392,22 @@ PrefetchTarget x8_prefetch_target(const at::Tensor& w) {
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("q4_1_to_x8(Tensor w, int k) -> Tensor");
   m.def("q4_1x8_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("q4_1x8_linear_silu(Tensor x, Tensor w) -> Tensor");
   m.def("q4_1x8_dequantize(Tensor w, int k) -> Tensor");
   m.def("q4_1x8_rows(Tensor w, Tensor ids, int k) -> Tensor");
   m.def("q8_0_to_x8(Tensor w, int k) -> Tensor");
   m.def("q8_0x8_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("q8_0x8_linear_silu(Tensor x, Tensor w) -> Tensor");
   m.def("q8_0x8_dequantize(Tensor w, int k) -> Tensor");
   m.def("q8_0x8_rows(Tensor w, Tensor ids, int k) -> Tensor");
   m.def("q4_1_to_x8p(Tensor w, int k) -> Tensor");
   m.def("q4_1x8p_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("q4_1x8p_linear_silu(Tensor x, Tensor w) -> Tensor");
   m.def("q4_1x8p_dequantize(Tensor w, int k) -> Tensor");
   m.def("q4_1x8p_rows(Tensor w, Tensor ids, int k) -> Tensor");
   m.def("q8_0_to_x8p(Tensor w, int k) -> Tensor");
   m.def("q8_0x8p_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("q8_0x8p_linear_silu(Tensor x, Tensor w) -> Tensor");
   m.def("q8_0x8p_dequantize(Tensor w, int k) -> Tensor");
   m.def("q8_0x8p_rows(Tensor w, Tensor ids, int k) -> Tensor");
 }
@@ -320,18 +415,22 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("q4_1_to_x8", &to_x8<Q4_1x8, false>);
   m.impl("q4_1x8_linear", &x8_linear<Q4_1x8, false>);
+  m.impl("q4_1x8_linear_silu", &x8_linear_silu<Q4_1x8, false>);
   m.impl("q4_1x8_dequantize", &x8_dequantize<Q4_1x8, false>);
   m.impl("q4_1x8_rows", &x8_rows<Q4_1x8, false>);
   m.impl("q8_0_to_x8", &to_x8<Q8_0x8, false>);
   m.impl("q8_0x8_linear", &x8_linear<Q8_0x8, false>);
+  m.impl("q8_0x8_linear_silu", &x8_linear_silu<Q8_0x8, false>);
   m.impl("q8_0x8_dequantize", &x8_dequantize<Q8_0x8, false>);
   m.impl("q8_0x8_rows", &x8_rows<Q8_0x8, false>);
   m.impl("q4_1_to_x8p", &to_x8<Q4_1x8, true>);
   m.impl("q4_1x8p_linear", &x8_linear<Q4_1x8, true>);
+  m.impl("q4_1x8p_linear_silu", &x8_linear_silu<Q4_1x8, true>);
   m.impl("q4_1x8p_dequantize", &x8_dequantize<Q4_1x8, true>);
   m.impl("q4_1x8p_rows", &x8_rows<Q4_1x8, true>);
   m.impl("q8_0_to_x8p", &to_x8<Q8_0x8, true>);
   m.impl("q8_0x8p_linear", &x8_linear<Q8_0x8, true>);
+  m.impl("q8_0x8p_linear_silu", &x8_linear_silu<Q8_0x8, true>);
   m.impl("q8_0x8p_dequantize", &x8_dequantize<Q8_0x8, true>);
   m.impl("q8_0x8p_rows", &x8_rows<Q8_0x8, true>);
 }

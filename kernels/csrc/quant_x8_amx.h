@@ -136,8 +136,8 @@ inline void tile_run_of(int R, const tandem_quant::QuantizedX& x, int64_t m0, in
 // each run of a pair's blocks is unpacked once for all that size's tiles, whose sums gather in `acc` (16 floats a
 // row of x). The tiles are released at the end (a thread holding tile state costs every context switch ~8 KB more).
 //
-// An output of kStreamedOutputBytes or more (prefill chunks) is written with non-temporal stores: y's rows are N
-// floats apart, and each pair writes one 64-byte line of every row, so with N a multiple of 1,024 (gate_up: 3,072)
+// An output of kStreamedOutputBytes or more (prefill chunks) is written with non-temporal stores: y's rows are y.ld
+// floats apart, and each pair writes one 64-byte line of every row, so with y.ld a multiple of 1,024 (gate_up: 3,072)
 // all of a tile's lines fall in one L1 set, where plain stores, each reading its line first, evict one another (the
 // likely cause: this VM has no counters to show it). gate_up of 352 rows alone, alternated with plain stores: 0.83x
 // (0.75-0.87); a 500-token prefill 0.95x (0.91-1.00), 350 tokens 0.98x. Below it (decode batches: 48 rows of gate_up
@@ -147,7 +147,7 @@ constexpr int64_t kStreamedOutputBytes = int64_t{1} << 20;
 
 template <bool kQ4_1>
 inline void x8_pair_groups_amx(const tandem_quant::QuantizedX& x, int64_t M, int64_t nb, const uint8_t* w,
-                               int64_t g0, int64_t g1, float* y, int64_t N, bool pairs) {
+                               int64_t g0, int64_t g1, const GroupOutput& y, int64_t N, bool pairs) {
   constexpr int64_t kBytes = kQ4_1 ? 160 : 272;
   const X8Layout layout{nb, N / 8, kBytes, pairs};
   const int64_t partner = layout.partner(), block_stride = layout.pair_stride();
@@ -159,7 +159,7 @@ inline void x8_pair_groups_amx(const tandem_quant::QuantizedX& x, int64_t M, int
     float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc_buffer.data()) + 63) & ~uintptr_t{63});
     const int64_t tiles = (M + 15) / 16, R = (M + tiles - 1) / tiles, big = M - tiles * (R - 1);
     const std::pair<int64_t, int64_t> sizes[2] = {{R, big}, {R - 1, tiles - big}};  // (rows, tiles of them)
-    const bool stream = M * N * static_cast<int64_t>(sizeof(float)) >= kStreamedOutputBytes;
+    const bool stream = M * y.ld * static_cast<int64_t>(sizeof(float)) >= kStreamedOutputBytes;
     int64_t m0 = 0;
     UnpackedRun run;
     for (const auto& [rows, count] : sizes) {
@@ -176,7 +176,7 @@ inline void x8_pair_groups_amx(const tandem_quant::QuantizedX& x, int64_t M, int
             tile_run_of<kQ4_1>(static_cast<int>(rows), x, m0 + t * rows, nb, b0, n, run, acc + t * rows * 16);
         }
         for (int64_t r = 0; r < count * rows; ++r) {
-          float* out = y + (m0 + r) * N + p * 8;
+          float* out = y.group(p) + (m0 + r) * y.ld;
           const __m512 row = _mm512_load_ps(acc + 16 * r);
           if (stream && (reinterpret_cast<uintptr_t>(out) & 63) == 0) _mm512_stream_ps(out, row);
           else _mm512_storeu_ps(out, row);

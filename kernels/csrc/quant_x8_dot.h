@@ -168,22 +168,23 @@ inline void q8_0x8_dot_rows_k_outer(const tandem_quant::QuantizedX& x, int64_t m
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-// Groups [g0, g1) of 8 weight rows against all M rows of x; y [M, N]. `pairs`: the x8p layout (X8Layout).
+// Groups [g0, g1) of 8 weight rows (of N) against all M rows of x, into y (GroupOutput). `pairs`: the x8p layout
+// (X8Layout).
 template <bool kQ4_1>
 inline void x8_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t nb, const uint8_t* w, int64_t g0,
-                      int64_t g1, float* y, int64_t N, bool pairs) {
+                      int64_t g1, const GroupOutput& y, int64_t N, bool pairs) {
   const X8Layout layout{nb, N / 8, kQ4_1 ? 160 : 272, pairs};
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = w + layout.offset(g, 0);
     const int64_t stride = layout.stride(g);
-    float* yg = y + g * 8;
+    float* yg = y.group(g);
     int64_t m = 0;
     auto rows = [&](auto tile) {
       constexpr int T = decltype(tile)::value;
-      if constexpr (kQ4_1 && !kVnni) q4_1x8_dot_rows_k_outer<T>(x, m, nb, group, stride, yg + m * N, N);
-      else if constexpr (kQ4_1) q4_1x8_dot_rows<T>(x, m, nb, group, stride, yg + m * N, N);
-      else if constexpr (!kVnni) q8_0x8_dot_rows_k_outer<T>(x, m, nb, group, stride, yg + m * N, N);
-      else q8_0x8_dot_rows<T>(x, m, nb, group, stride, yg + m * N, N);
+      if constexpr (kQ4_1 && !kVnni) q4_1x8_dot_rows_k_outer<T>(x, m, nb, group, stride, yg + m * y.ld, y.ld);
+      else if constexpr (kQ4_1) q4_1x8_dot_rows<T>(x, m, nb, group, stride, yg + m * y.ld, y.ld);
+      else if constexpr (!kVnni) q8_0x8_dot_rows_k_outer<T>(x, m, nb, group, stride, yg + m * y.ld, y.ld);
+      else q8_0x8_dot_rows<T>(x, m, nb, group, stride, yg + m * y.ld, y.ld);
       m += T;
     };
     while (m + kRowTile <= M) rows(std::integral_constant<int, kRowTile>{});

@@ -138,7 +138,7 @@ inline void unpacked_pair_dot_rows(const tandem_quant::QuantizedX& x, const uint
 // loop. `pairs`: the x8p layout.
 template <bool kQ4_1>
 inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t nb, const uint8_t* w, int64_t g0,
-                           int64_t g1, float* y, int64_t N, bool pairs) {
+                           int64_t g1, const GroupOutput& y, int64_t N, bool pairs) {
   constexpr int64_t kBytes = kQ4_1 ? 160 : 272;
   const X8Layout layout{nb, N / 8, kBytes, pairs};
   const int64_t partner = layout.partner(), block_stride = layout.pair_stride();
@@ -160,7 +160,7 @@ inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t
   for (int64_t g = span.first; g < span.second; g += 2) {
     const uint8_t* pair = w + layout.offset(g, 0);
     const uint8_t* next = g + 4 <= g1 ? w + layout.offset(g + 2, 0) : nullptr;
-    float* yg = y + g * 8;
+    float* yg = y.group(g);
     if (unpack_once)
       for (int64_t b = 0; b < nb; ++b) {
         if (next != nullptr) prefetch_pair_block<kQ4_1>(next, b, partner, block_stride);
@@ -170,9 +170,9 @@ inline void x8_pair_groups(const tandem_quant::QuantizedX& x, int64_t M, int64_t
     auto rows = [&](auto tile) {
       constexpr int T = decltype(tile)::value;
       if (unpack_once) {
-        unpacked_pair_dot_rows<T, kQ4_1>(x, xu.data(), m, nb, blocks.get(), yg + m * N, N);
+        unpacked_pair_dot_rows<T, kQ4_1>(x, xu.data(), m, nb, blocks.get(), yg + m * y.ld, y.ld);
       } else {
-        pair_dot_rows<T, kQ4_1>(x, xu.data(), m, nb, pair, partner, block_stride, yg + m * N, N, next);
+        pair_dot_rows<T, kQ4_1>(x, xu.data(), m, nb, pair, partner, block_stride, yg + m * y.ld, y.ld, next);
         next = nullptr;  // the first tile fetches the next pair; later tiles find this one in cache
       }
       m += T;

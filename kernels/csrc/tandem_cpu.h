@@ -67,6 +67,11 @@ void q4_1x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, 
 void q8_0x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const ColumnsDone* after = nullptr);
 void q4_1x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const ColumnsDone* after = nullptr);
 void q8_0x8p_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const ColumnsDone* after = nullptr);
+// act [M, N / 2] = silu(gate) * up of x w^T, for a gate_up w whose gate and up rows alternate every 16 rows
+void q4_1x8_linear_silu_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& act);
+void q8_0x8_linear_silu_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& act);
+void q4_1x8p_linear_silu_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& act);
+void q8_0x8p_linear_silu_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& act);
 // w (any x8 format) as the rows q4_1x8_linear / q8_0x8_linear split among a thread team (thread_team.h)
 PrefetchTarget x8_prefetch_target(const at::Tensor& w);
 
@@ -77,6 +82,10 @@ at::Tensor silu_mul(const at::Tensor& gu);
 void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);
 void add_rms_norm_out_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps, at::Tensor& out);
 void silu_mul_out(const at::Tensor& gu, at::Tensor& out);
+// out[u * unit + i] = silu(gu[2u * unit + i]) * gu[(2u + 1) * unit + i] for `units` units: a row whose gate and up
+// alternate every `unit` values, as silu_mul_out computes each value (the same bits). `stream`: where it can (AVX-512,
+// out 64-byte aligned, unit a multiple of 16) out is written past the cache; the caller fences before others read.
+void silu_mul_units(float* out, const float* gu, int64_t units, int64_t unit, bool stream = false);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // One head row of D values in place, as rope_ turns each: c and s its token's cos and sin rows [D].
 void rope_head(float* row, const float* c, const float* s, int64_t D);

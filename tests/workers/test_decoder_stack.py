@@ -13,9 +13,11 @@ from gguf import GGMLQuantizationType, quantize
 
 from kernels import cpu_kernel, kv_quant
 from kernels.batch_split import BatchSplitChooser
+from kernels.decoder_stack import FORMAT_CODES, PAIRED_GATE_UP
 from kernels.quant_linear import QuantizedWeight
 from tests.threads import torch_threads
 from tests.tiny_model import random_weights, tiny_config
+from workers.model import llama
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.config import ModelConfig
 from workers.model.llama import LlamaModel
@@ -108,6 +110,32 @@ def test_default_model_stack_is_bit_identical(quantized_model, kv_dtype: torch.d
 
 def test_biases_and_mixed_formats_are_bit_identical() -> None:
     assert_stack_matches_loop(quantized_tiny_model())
+
+
+def test_gate_up_paired_or_not_gives_the_same_bits(monkeypatch) -> None:
+    """A quantized gate_up is paired where it can be (its gate and up rows alternating, the SiLU inside the matrix:
+    kernels/quant_linear.py pair_gate_up); unpaired, the stack runs the matrix then silu_mul. Either way the stack
+    gives the loop's bits, and the two models the same logits."""
+    paired = quantized_tiny_model()
+    assert all(layer.gate_up_paired for layer in paired.layers)
+    monkeypatch.setattr(llama, "pair_gate_up", lambda gate, up: None)
+    plain = quantized_tiny_model()
+    assert not any(layer.gate_up_paired for layer in plain.layers)
+    assert_stack_matches_loop(plain)
+    cfg = plain.config
+    kv = torch.randn(cfg.num_layers, 2, 3 * (max(SEQ_LENS) // BLOCK + 1), BLOCK, cfg.num_kv_heads, cfg.head_dim,
+                     generator=torch.Generator().manual_seed(1))
+    assert torch.equal(decode_step(paired, kv.clone(), 2, SEQ_LENS), decode_step(plain, kv.clone(), 2, SEQ_LENS))
+
+
+def test_only_gate_up_takes_the_paired_code(quantized_model) -> None:
+    layer = quantized_model.layers[0]
+    weights = [layer.attn_norm, layer.qkv.data, torch.empty(0), layer.o_proj.data, layer.mlp_norm,
+               layer.gate_up.data, layer.down.data]
+    codes = [FORMAT_CODES[w.format] for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    torch.classes.tandem_cpu.DecoderWeights(weights, [codes[0], codes[1], codes[2] + PAIRED_GATE_UP, codes[3]])
+    with pytest.raises(RuntimeError, match="only gate_up's, in an x8 or x8p format, takes alternating gate and up"):
+        torch.classes.tandem_cpu.DecoderWeights(weights, [codes[0] + PAIRED_GATE_UP, *codes[1:]])
 
 
 @pytest.mark.parametrize("threads", [2, 3])

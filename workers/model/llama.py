@@ -16,7 +16,7 @@ from kernels import kv_quant
 from kernels.decoder_stack import DecoderStack
 from kernels.fused_ops import add_rms_norm_, rms_norm, rope_, silu_mul
 from kernels.huge_pages import huge_page_copies, huge_page_zeros
-from kernels.quant_linear import QuantizedWeight, cat_rows, interleave, linear
+from kernels.quant_linear import QuantizedWeight, cat_rows, interleave, linear, linear_silu, pair_gate_up
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.compute_starts import compute_starts
 from workers.model.config import ModelConfig
@@ -33,8 +33,9 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     o_proj: Weight  # [hidden, H D]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: Weight  # [2 I, hidden]
+    gate_up: Weight  # [2 I, hidden]: gate's rows then up's, or (gate_up_paired) alternating (pair_gate_up)
     down: Weight  # [hidden, I]
+    gate_up_paired: bool = False  # gate_up from pair_gate_up: its SiLU runs inside the matrix (linear_silu)
 
 
 def stack_rows(parts: list[Weight]) -> Weight:
@@ -50,6 +51,16 @@ def stack_rows(parts: list[Weight]) -> Weight:
 def fast_layout(w: Weight) -> Weight:
     """Q4_1 and Q8_0 blocks interleaved by 8 rows for the kernel (the same numbers); anything else as it is."""
     return interleave(w) if isinstance(w, QuantizedWeight) else w
+
+
+def gate_up_weight(gate: Weight, up: Weight) -> tuple[Weight, bool]:
+    """gate_up for the MLP, and whether it is paired for ``linear_silu`` (quantized weights it takes: no matrix
+    output written out and read back for the SiLU), else gate's rows then up's."""
+    if isinstance(gate, QuantizedWeight) and isinstance(up, QuantizedWeight):
+        paired = pair_gate_up(gate, up)
+        if paired is not None:
+            return paired, True
+    return fast_layout(stack_rows([gate, up])), False
 
 
 class LlamaModel:
@@ -86,14 +97,16 @@ class LlamaModel:
             bias = None
             if config.attention_bias:
                 bias = torch.cat([take_dense(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            gate_up, paired = gate_up_weight(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
             self.layers.append(LayerWeights(
                 attn_norm=take_dense(p + "input_layernorm.weight"),
                 qkv=fast_layout(stack_rows([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
                 qkv_bias=bias,
                 o_proj=fast_layout(take(p + "self_attn.o_proj.weight")),
                 mlp_norm=take_dense(p + "post_attention_layernorm.weight"),
-                gate_up=fast_layout(stack_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                gate_up=gate_up,
                 down=fast_layout(take(p + "mlp.down_proj.weight")),
+                gate_up_paired=paired,
             ))
         self._quantized_to_huge_pages()
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -169,10 +182,17 @@ class LlamaModel:
             kernels.store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=attn.backend)
             o = self._attention(q, k_cache, v_cache, attn)
             x = add_rms_norm_(h, linear(o.reshape(num_tokens, q_size), layer.o_proj), layer.mlp_norm, eps)
-            mlp_out = linear(silu_mul(linear(x, layer.gate_up)), layer.down)
+            mlp_out = linear(self._silu_gate_up(x, layer), layer.down)
         if mlp_out is not None:
             h += mlp_out
         return self._logits(h, logits_indices)
+
+    @staticmethod
+    def _silu_gate_up(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:  # [T, hidden] -> [T, I]
+        if layer.gate_up_paired:
+            assert isinstance(layer.gate_up, QuantizedWeight)
+            return linear_silu(x, layer.gate_up)
+        return silu_mul(linear(x, layer.gate_up))
 
     def _logits(self, h: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h[logits_indices], self.norm, self.config.rms_norm_eps)
