@@ -6,8 +6,8 @@ On the default cluster prefill shares the cores with decode, so every millisecon
 running requests' TPOT. Measured side by side in one run:
 1. the engine prefilling a fresh random prompt of --tokens tokens (no prefix shared: caches cold), and one
    of --tokens new tokens after a cached prefix of --prefix tokens (the chat template's system prompt hits
-   the prefix cache this way), median ms, split by torch.profiler into the quantized matrices, attention,
-   and the rest;
+   the prefix cache this way), median ms, split by torch.profiler into the quantized matrices (gate_up's with
+   its SiLU), attention, and the rest;
 2. one layer's attention over the paged int8 cache (the default), for a whole prompt and for the prompt after the
    cached prefix: the compiled kernel (``kernels/csrc/paged_prefill_cpu.cpp``, what runs) on each instruction set
    this CPU has (its 256-bit loops, and its 512-bit ones on "avx512_vnni"), against SDPA over the gathered, widened
@@ -39,8 +39,8 @@ from workers.engine.engine import Engine  # noqa: E402
 from workers.protocol.sampling_params import SamplingParams  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the bundled model's attention
-GROUPS = {"matrices": ("tandem_cpu::q4_1x8_linear", "tandem_cpu::q8_0x8_linear", "tandem_cpu::q4_1x8p_linear",
-                        "tandem_cpu::q8_0x8p_linear"),
+GROUPS = {"matrices": tuple(f"tandem_cpu::{fmt}_linear{op}" for fmt in ("q4_1x8", "q8_0x8", "q4_1x8p", "q8_0x8p")
+                             for op in ("", "_silu")),  # gate_up's with its SiLU (quant_linear.linear_silu)
           "attention": ("tandem_cpu::paged_prefill_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                         "aten::_scaled_dot_product_attention_math")}
 
