@@ -4,7 +4,8 @@
 
 1. The stack (kernels/csrc/decoder_cpu.cpp) with its phase clock on (``set_stack_phase_timing``: the leader's
    wall time in each part of a layer; a matrix's part holds quantizing its x and waiting on the team): microseconds
-   a layer, at batch 1 and 8, at 170 and 450 tokens of context (bench_step_team's stack calls).
+   a layer, at batch 1 and 8, at 170 and 450 tokens of context (bench_step_team's stack calls). With gate_up paired
+   (quant_linear.pair_gate_up, the default for GGUF weights) its SiLU runs inside the matrix: "silu" books ~0.
 2. Engine decode steps at batch 1 and 8 (fresh prompts of 100-160 tokens, no prefix cache) split into the stack,
    the head (final norm and the tied Q8_0 matrix), the rest of the forward (embedding, RoPE tables) and the host
    (schedule, inputs, argmax, postprocess).
