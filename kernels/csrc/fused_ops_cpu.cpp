@@ -156,9 +156,21 @@ void silu_mul_out(const at::Tensor& gu, at::Tensor& out) {
 
 void silu_mul_units(float* out, const float* gu, int64_t units, int64_t unit, bool stream) {
   const bool wide = tandem_cpu::isa() == tandem_cpu::Isa::kAvx512Vnni;
-  if (stream && wide && unit % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
-    for (int64_t k = 0; k < units; ++k)
-      avx512::silu_mul_row<true>(out + k * unit, gu + 2 * k * unit, gu + (2 * k + 1) * unit, unit);
+  if (stream && unit % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
+    for (int64_t k = 0; k < units; ++k) {
+      float* o = out + k * unit;
+      const float *g = gu + 2 * k * unit, *u = gu + (2 * k + 1) * unit;
+      if (wide) {
+        avx512::silu_mul_row<true>(o, g, u, unit);
+        continue;
+      }
+      alignas(32) float line[16];  // at::vec's values, 16 at a time, then past the cache
+      for (int64_t i = 0; i < unit; i += 16) {
+        silu_mul_span(line, g + i, u + i, 16, false);
+        _mm256_stream_ps(o + i, _mm256_load_ps(line));
+        _mm256_stream_ps(o + i + 8, _mm256_load_ps(line + 8));
+      }
+    }
     return;
   }
   for (int64_t k = 0; k < units; ++k)

@@ -83,8 +83,8 @@ void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tens
 void add_rms_norm_out_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps, at::Tensor& out);
 void silu_mul_out(const at::Tensor& gu, at::Tensor& out);
 // out[u * unit + i] = silu(gu[2u * unit + i]) * gu[(2u + 1) * unit + i] for `units` units: a row whose gate and up
-// alternate every `unit` values, as silu_mul_out computes each value (the same bits). `stream`: where it can (AVX-512,
-// out 64-byte aligned, unit a multiple of 16) out is written past the cache; the caller fences before others read.
+// alternate every `unit` values, as silu_mul_out computes each value (the same bits). `stream`: where it can (out
+// 64-byte aligned, unit a multiple of 16) out is written past the cache; the caller fences before others read.
 void silu_mul_units(float* out, const float* gu, int64_t units, int64_t unit, bool stream = false);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // One head row of D values in place, as rope_ turns each: c and s its token's cos and sin rows [D].

@@ -57,9 +57,11 @@ def test_a_mebibyte_of_act_is_streamed_with_the_same_bits(fmt: str) -> None:
     assert 300 * 1024 * 4 >= 1 << 20
     with cpu_kernel.instruction_set("avx2"):
         want = fused_ops.silu_mul(quant_linear.linear(x, stacked))
-    for n in (1, 2, 3):
-        with torch_threads(n):
-            assert torch.equal(quant_linear.linear_silu(x, paired), want), n
+    for isa in cpu_kernel.instruction_sets():
+        with cpu_kernel.instruction_set(isa):
+            for n in (1, 2, 3):
+                with torch_threads(n):
+                    assert torch.equal(quant_linear.linear_silu(x, paired), want), (isa, n)
 
 
 def test_what_cannot_pair_is_left_unpaired() -> None:
