@@ -248,25 +248,26 @@ void decode_rows(at::Tensor& h, const DecoderWeights& packed, const at::Tensor& 
   const auto run_layers = [&] {
     tandem_cpu::prefetch_plan(plan.data(), static_cast<int64_t>(plan.size()));
     tandem_cpu::prefetch_kv(&kv_plan[0]);
-    // Layer i's matrix j is plan entry 4i + j: the workers prefetch the one after the entry the leader is on.
-    const auto multiply = [&](int64_t i, int64_t j, const at::Tensor& in, at::Tensor& out,
-                              const tandem_cpu::ColumnsDone* after = nullptr) {
+    // Layer i's matrix j is plan entry 4i + j: the workers prefetch the one after the entry the leader is on. Its
+    // weight and format, once checked to give `rows` rows.
+    const auto reach_matrix = [&](int64_t i, int64_t j, int64_t rows) {
       tandem_cpu::prefetch_reached(i * kFormatsPerLayer + j);
       const at::Tensor& w = weights[i * kPerLayer + kMatrixSlots[j]];
       const int64_t format = matrix_format(formats[i * kFormatsPerLayer + j]);
       static constexpr const char* kNames[kFormatsPerLayer] = {"qkv", "o_proj", "gate_up", "down"};
-      TORCH_CHECK(out_rows(w, format) == out.size(1), "layer ", i, ": ", kNames[j], " has ", out_rows(w, format),
-                  " rows, the heads and sizes need ", out.size(1));
+      TORCH_CHECK(out_rows(w, format) == rows, "layer ", i, ": ", kNames[j], " has ", out_rows(w, format),
+                  " rows, the heads and sizes need ", rows);
+      return std::pair<const at::Tensor&, int64_t>(w, format);
+    };
+    const auto multiply = [&](int64_t i, int64_t j, const at::Tensor& in, at::Tensor& out,
+                              const tandem_cpu::ColumnsDone* after = nullptr) {
+      const auto [w, format] = reach_matrix(i, j, out.size(1));
       linear(in, w, format, out, after);
     };
     // gate_up in a paired format, and its SiLU: act = silu(gate) * up.
-    const auto multiply_silu = [&](int64_t i, const at::Tensor& in, at::Tensor& out) {
-      tandem_cpu::prefetch_reached(i * kFormatsPerLayer + kGateUp);
-      const at::Tensor& w = weights[i * kPerLayer + kMatrixSlots[kGateUp]];
-      const int64_t format = matrix_format(formats[i * kFormatsPerLayer + kGateUp]);
-      TORCH_CHECK(out_rows(w, format) == 2 * out.size(1), "layer ", i, ": gate_up has ", out_rows(w, format),
-                  " rows, the sizes need ", 2 * out.size(1));
-      linear_silu(in, w, format, out);
+    const auto multiply_silu = [&](int64_t i, const at::Tensor& in, at::Tensor& act) {
+      const auto [w, format] = reach_matrix(i, kGateUp, 2 * act.size(1));
+      linear_silu(in, w, format, act);
     };
     using tandem_cpu::StepPhase;
     tandem_cpu::StepPhaseClock clock(clocked);

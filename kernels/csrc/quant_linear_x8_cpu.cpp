@@ -106,6 +106,10 @@ struct GroupOutput {
   float* group(int64_t g) const { return at + (g - first) * 8; }
 };
 
+// From this many bytes of output (prefill chunks) the loops write it with non-temporal stores, past the cache:
+// quant_x8_amx.h's y and x8_linear_silu_out's act each say why.
+constexpr int64_t kStreamedOutputBytes = int64_t{1} << 20;
+
 struct Q4_1x8 {
   static constexpr int64_t kBytes = 160, kSourceBytes = kQ4_1Bytes;
 
@@ -257,7 +261,6 @@ void x8_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, cons
 // kernels/quant_linear.py pair_gate_up): a unit's gate and up groups are kGroupGrain groups, the least a thread
 // takes.
 constexpr int64_t kSiluUnit = 16, kUnitGroups = 2 * kSiluUnit / kX8Rows;
-constexpr int64_t kStreamedActBytes = int64_t{1} << 20;
 static_assert(kUnitGroups == kGroupGrain, "a thread's share holds whole units");
 
 // act [M, N / 2] = silu(gate) * up of y = x w^T, where w is such a gate_up: each thread multiplies its own units
@@ -279,7 +282,7 @@ void x8_linear_silu_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& ac
   // A prefill chunk's act (1.5 MB at 256 rows here) goes past the cache: each unit writes one line of every row,
   // 6 KB apart, and read for ownership they stalled the loop (500 rows: 1.05x the unfused matrix and silu_mul; on
   // the 256-bit loops 1.08x; streamed, 0.86-0.95x and 0.97x).
-  const bool stream = M * I * static_cast<int64_t>(sizeof(float)) >= kStreamedActBytes;
+  const bool stream = M * I * static_cast<int64_t>(sizeof(float)) >= kStreamedOutputBytes;
   const auto share = [&](int64_t begin, int64_t end) {
     // The units whose first group lies in [begin, end): a cut inside a unit (the team's split is in whole units
     // only once it has learned one) leaves it whole to the thread before.
