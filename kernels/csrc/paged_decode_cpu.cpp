@@ -155,15 +155,29 @@ struct BlockFetcher {
 };
 
 // The queries of a group rounded to int16 (15 bits a head: the largest value to 32767), with each head's scale.
+// On 8 lanes: cvtps rounds to nearest even as std::nearbyint does under the default rounding mode, so the integers
+// are the scalar loop's (which, a call to nearbyint a value, was ~8% of a batch-8 call at 170 tokens).
 template <int64_t D>
 void round_queries(const float* q_scaled, int64_t per_kv, int16_t (*rounded)[D], float* q_scale) {
+  static_assert(D % 16 == 0, "two registers of 8 a pack");
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t j = 0; j < per_kv; ++j) {
     const float* qj = q_scaled + j * D;
+    __m256 top8 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) top8 = _mm256_max_ps(top8, _mm256_and_ps(_mm256_loadu_ps(qj + d), abs_mask));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top8);
     float top = 0.f;
-    for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(qj[d]));
+    for (const float l : lanes) top = std::max(top, l);
     q_scale[j] = top / 32767.f;
-    const float inv = top > 0.f ? 32767.f / top : 0.f;
-    for (int64_t d = 0; d < D; ++d) rounded[j][d] = static_cast<int16_t>(std::nearbyint(qj[d] * inv));
+    const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qj + d), inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qj + d + 8), inv));
+      // packs works within 128-bit lanes: (lo 0-3, hi 0-3, lo 4-7, hi 4-7), put back in order.
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded[j] + d), packed);
+    }
   }
 }
 
