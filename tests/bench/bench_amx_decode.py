@@ -78,10 +78,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="8,12,16,24,32")
     parser.add_argument("--steps", type=int, default=40, help="decode steps of each set at each batch")
-    parser.add_argument("--prompts", type=int, default=6, help="prefills of each set")
+    parser.add_argument("--prompts", type=int, default=6, help="prefills of each set (0: none)")
     parser.add_argument("--prompt", type=int, default=400, help="tokens of the prefill measured")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
+    if args.steps < 1 or args.prompts < 0:
+        parser.error("--steps must be at least 1 and --prompts at least 0")
     engine = compiled_cpu_engine(args.threads)
     if "amx" not in cpu_kernel.instruction_sets():
         sys.exit("this CPU (or its OS) gives no AMX-INT8 tiles")
@@ -96,11 +98,12 @@ def main() -> None:
     rows: list[tuple[str, dict[str, list[float]]]] = []
     for batch in batches:
         rows.append((f"decode b{batch}", alternating_decode_steps(engine, batch, args.steps, rng)))
-    prefill: dict[str, list[float]] = {isa: [] for isa in SETS}
-    for i in range(2 * args.prompts):
-        with cpu_kernel.instruction_set(SETS[i % 2]):
-            prefill[SETS[i % 2]].append(prefill_seconds(engine, rng, args.prompt))
-    rows.append((f"prefill {args.prompt}", prefill))
+    if args.prompts > 0:  # --prompts 0: decode steps only
+        prefill: dict[str, list[float]] = {isa: [] for isa in SETS}
+        for i in range(2 * args.prompts):
+            with cpu_kernel.instruction_set(SETS[i % 2]):
+                prefill[SETS[i % 2]].append(prefill_seconds(engine, rng, args.prompt))
+        rows.append((f"prefill {args.prompt}", prefill))
     for name, times in rows:
         ratios = pair_ratios(times)
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
