@@ -154,21 +154,27 @@ struct BlockFetcher {
   }
 };
 
+// max |x[i]| over n values, n a multiple of 8 (0 for all zeros).
+inline float abs_max(const float* x, int64_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 top = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float most = 0.f;
+  for (const float l : lanes) most = std::max(most, l);
+  return most;
+}
+
 // The queries of a group rounded to int16 (15 bits a head: the largest value to 32767), with each head's scale.
 // On 8 lanes: cvtps rounds to nearest even as std::nearbyint does under the default rounding mode, so the integers
 // are the scalar loop's (which, a call to nearbyint a value, was ~8% of a batch-8 call at 170 tokens).
 template <int64_t D>
 void round_queries(const float* q_scaled, int64_t per_kv, int16_t (*rounded)[D], float* q_scale) {
   static_assert(D % 16 == 0, "two registers of 8 a pack");
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t j = 0; j < per_kv; ++j) {
     const float* qj = q_scaled + j * D;
-    __m256 top8 = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) top8 = _mm256_max_ps(top8, _mm256_and_ps(_mm256_loadu_ps(qj + d), abs_mask));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, top8);
-    float top = 0.f;
-    for (const float l : lanes) top = std::max(top, l);
+    const float top = abs_max(qj, D);
     q_scale[j] = top / 32767.f;
     const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
     for (int64_t d = 0; d < D; d += 16) {
@@ -589,14 +595,7 @@ void attend(const at::Tensor& q, const T* kp, const T* vp, int64_t block_size, i
 // One head row of D fp32 values (D a multiple of 8) into D int8 values and their fp32 scale:
 // scale = max|x| / 127, q = x / scale rounded to nearest even (0 and scale 0 for a row of zeros).
 void quantize_head_row(const float* x, int64_t d, int8_t* out) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 top = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top);
-  float amax = 0.f;
-  for (const float l : lanes) amax = std::max(amax, l);
-  const float scale = amax / 127.f;
+  const float scale = abs_max(x, d) / 127.f;
   std::memcpy(out + d, &scale, sizeof(scale));
   if (scale == 0.f) {
     std::memset(out, 0, d);

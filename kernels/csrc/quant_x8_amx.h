@@ -143,7 +143,6 @@ inline void tile_run_of(int R, const tandem_quant::QuantizedX& x, int64_t m0, in
 // (0.75-0.87); a 500-token prefill 0.95x (0.91-1.00), 350 tokens 0.98x. Below it (decode batches: 48 rows of gate_up
 // are 590 KB) y stays in cache for the op that reads it next. A line that is not whole (x8's pairs may start at an
 // odd group) is stored plainly.
-
 template <bool kQ4_1>
 inline void x8_pair_groups_amx(const tandem_quant::QuantizedX& x, int64_t M, int64_t nb, const uint8_t* w,
                                int64_t g0, int64_t g1, const GroupOutput& y, int64_t N, bool pairs) {
