@@ -16,13 +16,17 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 
 
-def step_bench_options(doc: str | None, *, rounds: int = 3, steps: int = 30) -> argparse.Namespace:
+def step_bench_options(doc: str | None, *, rounds: int = 3, steps: int = 30,
+                       switches: dict[str, str] | None = None) -> argparse.Namespace:
     """The command line every engine-step bench takes: --rounds, --steps (each a median's samples) and --threads
-    (default: every CPU), with the bench's docstring as its help."""
+    (default: every CPU), with the bench's docstring as its help; ``switches``: a bench's own on/off flags (name:
+    help)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    for name, help_text in (switches or {}).items():
+        parser.add_argument(f"--{name}", action="store_true", help=help_text)
     return parser.parse_args()
 
 
