@@ -13,9 +13,11 @@ read bandwidth). Measured side by side in one run:
    dense, with fresh random prompts of 100-160 tokens (no prefix shared between requests: caches cold),
    and at batch 8 with prompts of 400-500 tokens (where the KV cache's bytes weigh).
 4. with ``--evicted``, the default row again with its weights' cache lines dropped (clflush) before every timed
-   step, the rest of its state left in cache: the weights come from memory, as on a CPU whose cache cannot hold
-   them (96 MB against Zen's 32 MB L3), where a 300 MB L3 (this host's Xeons) holds them and serves batch 1 faster
-   than memory does (batch 1 under its floor).
+   step: the weights come from memory, as on a CPU whose cache cannot hold them (96 MB against Zen's 32 MB L3),
+   where a 300 MB L3 (this host's Xeons) holds them and serves batch 1 faster than memory does (batch 1 under its
+   floor). An upper bound on such a step: the sweep takes ~0.2 s, in which the rest of the process's state leaves
+   this host's shared L3 too (a step after a 0.23 s sleep, nothing flushed, measured the same: 6.1-6.8 ms at
+   batch 1 against 2.9-3.4 with no gap), where a smaller cache of its own would keep some of it.
 Targets (issue 20): quantized batch 1 <= 1.3x its floor; a batch-8 step <= 2x a batch-1 step.
 
 This machine's pace drifts by the quarter hour (memory contention from outside the VM: the same batch-1
