@@ -12,12 +12,13 @@ read bandwidth). Measured side by side in one run:
    the layout that set gets; on the default int8 KV cache, on an fp16 and an fp32 one) and
    dense, with fresh random prompts of 100-160 tokens (no prefix shared between requests: caches cold),
    and at batch 8 with prompts of 400-500 tokens (where the KV cache's bytes weigh).
-4. with ``--evicted``, the default row again with its weights' cache lines dropped (clflush) before every timed
+4. with ``--evicted``, the default rows again with their weights' cache lines dropped (clflush) before every timed
    step: the weights come from memory, as on a CPU whose cache cannot hold them (96 MB against Zen's 32 MB L3),
    where a 300 MB L3 (this host's Xeons) holds them and serves batch 1 faster than memory does (batch 1 under its
-   floor). An upper bound on such a step: the sweep takes ~0.2 s, in which the rest of the process's state leaves
-   this host's shared L3 too (a step after a 0.23 s sleep, nothing flushed, measured the same: 6.1-6.8 ms at
-   batch 1 against 2.9-3.4 with no gap), where a smaller cache of its own would keep some of it.
+   floor). The sweep takes ~5 ms (clflushopt; clflush where the CPU lacks it: ~0.2 s, in which the rest of the
+   process's state leaves this host's shared L3 too, and a batch-1 step read 1.4x its floor where it reads ~1.25x
+   after clflushopt). A pause alone does much the same here: after 5 ms asleep, nothing flushed, a batch-1 step
+   reads most of its weights from memory (5.5 ms against 3-4 back to back): other tenants' traffic takes the lines.
 Targets (issue 20): quantized batch 1 <= 1.3x its floor; a batch-8 step <= 2x a batch-1 step.
 
 This machine's pace drifts by the quarter hour (memory contention from outside the VM: the same batch-1
@@ -67,6 +68,17 @@ def read_bandwidth() -> float:
         big.sum()
         times.append(time.perf_counter() - t0)
     return big.numel() * 4 / statistics.median(times)
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists for the first CPU (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def cpu_model() -> str:
@@ -125,16 +137,26 @@ EVICT_SOURCE = r"""
 #include <torch/extension.h>
 #include <immintrin.h>
 
-// Writes back and drops every cache line of the tensors from every level of every core's caches.
-void evict_lines(const std::vector<torch::Tensor>& tensors) {
+// Drops every cache line of the tensors from every level of every core's caches: clflushopt where the CPU has it
+// (96 MB in ~5 ms here: the flushes overlap), else clflush (~0.23 s: each waits for the one before).
+template <typename Flush>
+void evict(const std::vector<torch::Tensor>& tensors, Flush flush) {
   for (const auto& t : tensors) {
     TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "contiguous CPU tensors only");
-    const char* p = static_cast<const char*>(t.data_ptr());
+    char* p = static_cast<char*>(t.data_ptr());
     const int64_t n = t.numel() * t.element_size();
-    for (int64_t o = 0; o < n; o += 64) _mm_clflush(p + o);
-    if (n > 0) _mm_clflush(p + n - 1);  // a tensor may end part-way into a line its start did not reach
+    for (int64_t o = 0; o < n; o += 64) flush(p + o);
+    if (n > 0) flush(p + n - 1);  // a tensor may end part-way into a line its start did not reach
   }
-  _mm_mfence();
+  _mm_mfence();  // every flush done before the step starts
+}
+
+__attribute__((target("clflushopt"))) void evict_lines_opt(const std::vector<torch::Tensor>& tensors) {
+  evict(tensors, [](char* p) __attribute__((target("clflushopt"))) { _mm_clflushopt(p); });
+}
+
+void evict_lines(const std::vector<torch::Tensor>& tensors) {
+  evict(tensors, [](char* p) { _mm_clflush(p); });
 }
 """
 
@@ -155,13 +177,14 @@ class WeightEvictor:
 
         build = cache_root() / "kernels" / "bench_quant_decode"
         build.mkdir(parents=True, exist_ok=True)
-        self.ext = cpp_extension.load_inline(name="bench_quant_decode_evict", cpp_sources=[EVICT_SOURCE],
-                                             functions=["evict_lines"], extra_cflags=["-O2"],
-                                             build_directory=str(build), verbose=False)
+        ext = cpp_extension.load_inline(name="bench_quant_decode_evict", cpp_sources=[EVICT_SOURCE],
+                                        functions=["evict_lines", "evict_lines_opt"], extra_cflags=["-O2"],
+                                        build_directory=str(build), verbose=False)
+        self.evict = ext.evict_lines_opt if "clflushopt" in cpu_flags() else ext.evict_lines
         self.tensors = [w.data if isinstance(w, QuantizedWeight) else w for w in matrices(model)]
 
     def __call__(self) -> None:
-        self.ext.evict_lines(self.tensors)
+        self.evict(self.tensors)
 
 
 def measure_round(engine: Engine, rng: random.Random, steps: int,
@@ -210,17 +233,15 @@ def main() -> None:
         # The default engine's instruction sets take turns round by round, so each set's rounds span the
         # same minutes; the first round is a warm-up (the first rows of a process ran ~1.6x slower at
         # batch 1 here, whatever the row) and is not kept.
-        last = isas[-1]  # this CPU's best set: the default row
-        last_model = engines[last].model
-        assert isinstance(last_model, LlamaModel)
-        evictor = WeightEvictor(last_model) if args.evicted and last is not None else None
+        evictors = {isa: WeightEvictor(engine.model) for isa, engine in engines.items()
+                    if args.evicted and isa is not None and isinstance(engine.model, LlamaModel)}
         for i in range(args.rounds + 1):
             for isa in isas:
                 torch.ops.tandem_cpu.set_isa(isa or "best")
                 isa_name = (isa or torch.ops.tandem_cpu.isa()) if fmt == "gguf" else "-"
                 name = f"{fmt} {isa_name} KV {kv_name}"
-                # The default row with its weights evicted (--evicted) right after its own round: the same minutes.
-                evicted = [(f"{name} evicted", evictor)] if evictor is not None and isa == last else []
+                # Each set's row with its weights evicted (--evicted) right after its own round: the same minutes.
+                evicted = [(f"{name} evicted", evictors[isa])] if isa in evictors else []
                 for label, before_step in [(name, None), *evicted]:
                     r = measure_round(engines[isa], rng, args.steps, before_step)
                     if i == 0:
@@ -229,7 +250,7 @@ def main() -> None:
                     rounds.setdefault(label, []).append(r)
                     log(f"{label} round {i}: {r.bandwidth / 1e9:.1f} GB/s, b1 {r.b1 * 1e3:.1f} ms, "
                         f"b8 {r.b8 * 1e3:.1f} ms, b8 ctx 450 {r.b8_long * 1e3:.1f} ms")
-                if isa is not None and isa == last:
+                if isa is not None and isa == isas[-1]:
                     best = name
         torch.ops.tandem_cpu.set_isa("best")
         del engines
@@ -262,13 +283,13 @@ def round_ratios(rounds: list[Round], nbytes: int) -> tuple[list[float], list[fl
 
 def print_table(nbytes: dict[str, int], rounds: dict[str, list[Round]]) -> None:
     """Medians over the rounds; b1/floor and b8/b1 are medians of each round's own ratio."""
-    print(f"{'weights, KV':<25} {'MB/step':>8} {'floor ms':>9} {'b1 ms':>7} {'b1/floor':>9} {'b8 ms':>7} {'b8/b1':>6} "
+    print(f"{'weights, KV':<32} {'MB/step':>8} {'floor ms':>9} {'b1 ms':>7} {'b1/floor':>9} {'b8 ms':>7} {'b8/b1':>6} "
           f"{'b8 ctx 450':>11} {'tok/s b1':>9} {'tok/s b8':>9}")
     for name, rs in rounds.items():
         floor = nbytes[name] / median(rs, "bandwidth")
         b1, b8, b8_long = median(rs, "b1"), median(rs, "b8"), median(rs, "b8_long")
         floor_ratios, b8_ratios = round_ratios(rs, nbytes[name])
-        print(f"{name:<25} {nbytes[name] / 1e6:8.1f} {floor * 1e3:9.1f} {b1 * 1e3:7.1f} "
+        print(f"{name:<32} {nbytes[name] / 1e6:8.1f} {floor * 1e3:9.1f} {b1 * 1e3:7.1f} "
               f"{statistics.median(floor_ratios):9.2f} {b8 * 1e3:7.1f} {statistics.median(b8_ratios):6.2f} "
               f"{b8_long * 1e3:11.1f} {1 / b1:9.1f} {8 / b8:9.1f}")
 
