@@ -60,11 +60,9 @@ template <bool kQ4_1>
 __attribute__((always_inline)) inline void prefetch_pair_block(const uint8_t* next, int64_t b, int64_t partner,
                                                                int64_t block_stride) {
   constexpr int64_t kBytes = kQ4_1 ? 160 : 272;
-  const char* blk = reinterpret_cast<const char*>(next + b * block_stride);
-  for (const char* at : {blk, blk + partner}) {  // x8p: the two halves of one run
-    for (int64_t o = 0; o < kBytes; o += 64) _mm_prefetch(at + o, _MM_HINT_T0);
-    _mm_prefetch(at + kBytes - 1, _MM_HINT_T0);  // a block ends mid-line
-  }
+  const uint8_t* blk = next + b * block_stride;
+  prefetch_block<kBytes>(blk);  // x8p: the two halves of one run
+  prefetch_block<kBytes>(blk + partner);
 }
 
 // acc[r] += block b's share of y[m0 + r, the pair's 16 rows]. Q4_1: the weights' 4-bit values are the
