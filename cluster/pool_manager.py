@@ -185,7 +185,9 @@ class PoolManager:
 
     def _ready(self, worker: _Worker, info: dict[str, Any]) -> None:
         worker.pid = info["pid"]
-        self.say(f"{worker.worker_id} ready (pid {worker.pid}, Ray node {info['node_id'][:12]}); {info['kv_cache']}")
+        kernels = f", CPU kernels {info['cpu_kernels']}" if info.get("cpu_kernels") else ""
+        self.say(f"{worker.worker_id} ready (pid {worker.pid}, Ray node {info['node_id'][:12]}{kernels}); "
+                 f"{info['kv_cache']}")
 
     def _end(self, worker: _Worker, outcome: str) -> None:
         import ray

@@ -68,6 +68,16 @@ def apply_flags(config: ClusterConfig, args: argparse.Namespace) -> ClusterConfi
     return parse_config(data)
 
 
+def pinned_instruction_set() -> None:
+    """A misspelt TANDEM_CPU_ISA stops ``tandem serve`` here, in one line, not in every worker it starts."""
+    from kernels import cpu_kernel
+
+    try:
+        cpu_kernel.pinned_instruction_set()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from cluster.launcher import Launcher, say
     from cluster.router_runner import run_router
@@ -76,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         config = apply_flags(load_config(args.config), args)
         launcher = Launcher(config)
         launcher.check_model()
+        pinned_instruction_set()
     except ConfigError as e:
         print(f"tandem serve: config error: {e}", file=sys.stderr)
         return 2

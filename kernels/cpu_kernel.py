@@ -8,7 +8,10 @@ tooling into the Tandem cache, loaded once per process.
 It needs a C++ compiler and a CPU with AVX2 and FMA (ATen's AVX2 vector types); where either is
 missing, or the build fails, ``available()`` is False (with the reason in ``unavailable_reason()``),
 attention stays on the torch path and weights stay dense. ``TANDEM_CPU_KERNEL=0`` turns it off (A/B
-benchmarks).
+benchmarks). ``TANDEM_CPU_ISA`` (avx2, avx_vnni, avx512_vnni, amx; default the CPU's best) pins the instruction set
+a process's kernels start on, before any weights are laid out for it: an older CPU's path measured on a newer one,
+or a set an operator wants to avoid. A name the kernels do not know, or a set this CPU lacks, stops the load with
+that name.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
+def instruction_set_in_use() -> str | None:
+    """The instruction set the kernels run now ("avx2" .. "amx"), or None where they did not load."""
+    return torch.ops.tandem_cpu.isa() if available() else None
+
+
 def supports(q: Tensor, k_cache: Tensor) -> bool:
     """The shapes and dtypes the kernel takes (anything else stays on the torch path)."""
     return (q.dtype == torch.float32 and k_cache.dtype in CACHE_DTYPES and q.shape[-1] in HEAD_DIMS
@@ -86,6 +94,19 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     torch.ops.tandem_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
+INSTRUCTION_SETS = ("avx2", "avx_vnni", "avx512_vnni", "amx")  # oldest first, as the kernels name them
+
+
+def pinned_instruction_set() -> str | None:
+    """TANDEM_CPU_ISA's set, or None where it is unset; ValueError naming it where the kernels know no such set
+    (whether this CPU has it is for the process that loads them to say)."""
+    pinned = os.environ.get("TANDEM_CPU_ISA") or None
+    if pinned is not None and pinned not in ("best", *INSTRUCTION_SETS):
+        known = ", ".join(("best", *INSTRUCTION_SETS))
+        raise ValueError(f"TANDEM_CPU_ISA={pinned}: unknown instruction set; known: {known}")
+    return pinned
+
+
 def instruction_sets() -> list[str]:
     """The instruction sets the compiled kernels run on this CPU, oldest first ("avx2", then "avx_vnni",
     "avx512_vnni" and "amx" where it has them: "amx" is "avx512_vnni" with the quantized matrices on AMX-INT8 tiles
@@ -95,7 +116,7 @@ def instruction_sets() -> list[str]:
         return []
     now = torch.ops.tandem_cpu.isa()
     have = []
-    for isa in ("avx2", "avx_vnni", "avx512_vnni", "amx"):
+    for isa in INSTRUCTION_SETS:
         try:
             have.append(torch.ops.tandem_cpu.set_isa(isa))
         except RuntimeError:  # the CPU lacks it
@@ -144,6 +165,12 @@ def _load() -> str | None:
         reason = f"the build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
         log.warning("CPU decode-attention kernel unavailable (%s); using the torch path", reason)
         return reason
+    pinned = pinned_instruction_set()
+    if pinned:
+        try:
+            torch.ops.tandem_cpu.set_isa(pinned)
+        except RuntimeError as e:  # unknown, or not on this CPU: a setting that cannot be honoured stops the load
+            raise RuntimeError(f"TANDEM_CPU_ISA={pinned}: {str(e).strip().splitlines()[0]}") from None
     return None
 
 

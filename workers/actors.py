@@ -53,7 +53,14 @@ class _WorkerBase:
         return {"worker_id": self.service.worker_id, "role": self.service.role, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(), "kv_address": self.service.transport.address(),
                 "kv_cache": self.service.loop.engine.kv_cache_description,
-                "engine_threads": self.service.loop.num_threads}
+                "engine_threads": self.service.loop.num_threads, "cpu_kernels": self._cpu_kernels()}
+
+    def _cpu_kernels(self) -> str | None:
+        """The compiled CPU kernels' instruction set where this worker's model runs on the CPU (None on a GPU or
+        where they did not load): what TANDEM_CPU_ISA pins, shown when the worker is ready."""
+        from kernels import cpu_kernel
+
+        return cpu_kernel.instruction_set_in_use() if self.service.loop.engine.model.device.type == "cpu" else None
 
     async def load(self) -> bytes:
         return pack(await self.service.load())

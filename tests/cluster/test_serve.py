@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from kernels import cpu_kernel
 from tests.cluster.processes import start_serve, stop_group, wait_ready
 from tests.router.serve import free_port
 from workers.protocol.sampling_params import SamplingParams
@@ -30,6 +32,9 @@ def test_serve_answers_then_stops_everything_it_started(make_engine, tmp_path):
         wait_ready(proc, url, tmp_path / "serve.log")
         assert httpx.get(f"{url}/health").status_code == 200
         assert f"ready: {url}" in open(tmp_path / "serve.log").read()
+        # The worker names the instruction set its CPU kernels run (TANDEM_CPU_ISA pins it; here the CPU's best).
+        isa, served = cpu_kernel.instruction_set_in_use(), open(tmp_path / "serve.log").read()
+        assert f"CPU kernels {isa}); " in served if isa else "CPU kernels" not in served
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
@@ -138,6 +143,11 @@ def test_serve_refuses_a_bad_config_in_one_line(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == "tandem serve: config error: decode.replicaz: unknown key"
+    done = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--dry-run"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TANDEM_CPU_ISA": "avx3"})
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == ("tandem serve: config error: TANDEM_CPU_ISA=avx3: unknown "
+                                                    "instruction set; known: best, avx2, avx_vnni, avx512_vnni, amx")
 
 
 def test_a_stuck_router_shutdown_still_stops_the_workers_and_exits():

@@ -6,6 +6,10 @@ where it is the default on CPU."""
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +242,25 @@ def test_store_kv_rounds_fp32_rows_into_an_fp16_cache_as_torch_does() -> None:
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     with pytest.raises(RuntimeError, match="cannot go into a cache"):
         cpu_kernel.store_kv(k.half(), v.half(), kc.float(), vc.float(), slots)
+
+
+def _isa_in_fresh_process(pinned: str) -> subprocess.CompletedProcess[str]:
+    code = ("from kernels import cpu_kernel; import torch; cpu_kernel.available(); "
+            "print(torch.ops.tandem_cpu.isa())")
+    env = {**os.environ, "TANDEM_CPU_ISA": pinned}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+
+
+def test_tandem_cpu_isa_pins_the_instruction_set_a_process_starts_on() -> None:
+    oldest, best = cpu_kernel.instruction_sets()[0], cpu_kernel.instruction_sets()[-1]
+    assert oldest == "avx2"
+    pinned = _isa_in_fresh_process("avx2")
+    assert pinned.returncode == 0, pinned.stderr
+    assert pinned.stdout.split() == ["avx2"]
+    assert _isa_in_fresh_process("best").stdout.split() == [best]
+    unknown = _isa_in_fresh_process("sse9")
+    assert unknown.returncode != 0 and "TANDEM_CPU_ISA=sse9: unknown instruction set" in unknown.stderr
+    if best != "amx":  # a set this CPU lacks is refused by name too
+        lacking = _isa_in_fresh_process("amx")
+        assert lacking.returncode != 0 and "TANDEM_CPU_ISA=amx: this CPU" in lacking.stderr
