@@ -169,7 +169,7 @@ def _load() -> str | None:
     if pinned:
         try:
             torch.ops.tandem_cpu.set_isa(pinned)
-        except RuntimeError as e:  # unknown, or not on this CPU: a setting that cannot be honoured stops the load
+        except RuntimeError as e:  # a set this CPU (or its OS) lacks: a setting that cannot be honoured stops the load
             raise RuntimeError(f"TANDEM_CPU_ISA={pinned}: {str(e).strip().splitlines()[0]}") from None
     return None
 
