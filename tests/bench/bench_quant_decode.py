@@ -12,7 +12,7 @@ read bandwidth). Measured side by side in one run:
    the layout that set gets; on the default int8 KV cache, on an fp16 and an fp32 one) and
    dense, with fresh random prompts of 100-160 tokens (no prefix shared between requests: caches cold),
    and at batch 8 with prompts of 400-500 tokens (where the KV cache's bytes weigh).
-4. with ``--evicted``, the default rows again with their weights' cache lines dropped (clflush) before every timed
+4. with ``--evicted``, the default rows again with their weights' cache lines dropped (clflushopt) before every timed
    step: the weights come from memory, as on a CPU whose cache cannot hold them (96 MB against Zen's 32 MB L3),
    where a 300 MB L3 (this host's Xeons) holds them and serves batch 1 faster than memory does (batch 1 under its
    floor). The sweep takes ~5 ms (clflushopt; clflush where the CPU lacks it: ~0.2 s, in which the rest of the
