@@ -113,7 +113,7 @@ def test_prefill_on_one_node_decode_on_the_other_kv_crosses(two_nodes, make_engi
         stopped = stop_group(serve, dump_stacks=True)
     text = log.read_text()
     assert stopped.rc == 0, text
-    placed = dict(re.findall(r"(prefill-0|decode-0) ready \(pid \d+, Ray node (\w+)\)", text))
+    placed = dict(re.findall(r"(prefill-0|decode-0) ready \(pid \d+, Ray node (\w+)[,)]", text))
     nodes = ray_nodes(two_nodes)  # the nodes outlive tandem serve: it joined them, it did not start them
     node_of = {w: next(n for n in nodes if n.startswith(prefix)) for w, prefix in placed.items()}
     assert nodes[node_of["prefill-0"]].get("node_a") == 1 and "node_b" not in nodes[node_of["prefill-0"]]
