@@ -70,26 +70,25 @@ def read_bandwidth() -> float:
     return big.numel() * 4 / statistics.median(times)
 
 
-def cpu_flags() -> set[str]:
-    """The instruction-set flags /proc/cpuinfo lists for the first CPU (empty where it cannot be read)."""
+def cpuinfo_field(key: str) -> str | None:
+    """The first CPU's ``key`` line of /proc/cpuinfo, its value; None where there is none or it cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists for the first CPU (empty where it cannot be read)."""
+    return set((cpuinfo_field("flags") or "").split())
 
 
 def cpu_model() -> str:
     """The CPU's name as /proc/cpuinfo gives it (these machines change between sessions)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "CPU of unknown model"
+    return cpuinfo_field("model name") or "CPU of unknown model"
 
 
 def weight_bytes(model: LlamaModel) -> int:
@@ -169,8 +168,8 @@ def matrices(model: LlamaModel) -> list[torch.Tensor | QuantizedWeight]:
 
 
 class WeightEvictor:
-    """Drops the model's weights from the caches (clflush a line), leaving the rest of the step's state where
-    it is: the step then reads its weights from memory, as on a CPU whose cache cannot hold them."""
+    """Drops the model's weights from the caches (clflushopt a line, or clflush), leaving the rest of the step's
+    state where it is: the step then reads its weights from memory, as on a CPU whose cache cannot hold them."""
 
     def __init__(self, model: LlamaModel) -> None:
         from torch.utils import cpp_extension
@@ -200,7 +199,7 @@ def measure_round(engine: Engine, rng: random.Random, steps: int,
 
 def main() -> None:
     args = step_bench_options(__doc__, rounds=5, steps=40,
-                              switches={"evicted": "also the default row with its weights evicted before each step"})
+                              switches={"evicted": "also each default row with its weights evicted before each step"})
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     if not cpu_kernel.available():  # also loads the kernels' ops
