@@ -104,17 +104,6 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   at::parallel_for(begin, end, grain, f);
 }
 
-// The loop over the plan's target the leader is on (prefetch_reached): in a team whose workers prefetch, split as
-// they prefetched it, the leader's share weighed against a worker's as the team has learned for the target's key
-// (its rows come from memory, theirs from cache); else parallel_for. For loops whose output does not depend on
-// where the range is cut.
-template <typename F>
-void prefetched_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  if (begin >= end) return;
-  if (end - begin > grain && detail::team_parallel_for(begin, end, grain, f, true)) return;
-  at::parallel_for(begin, end, grain, f);
-}
-
 // [begin, end) in chunks of `chunk` that the threads take from a shared counter as each finishes its last: for
 // loops whose units cost alike but whose threads do not keep pace (a prefill's matrices: cut in halves, the
 // leader waited on the worker for ~6% of its time). For loops whose output does not depend on where the range is cut.
@@ -126,6 +115,27 @@ void shared_parallel_for(int64_t begin, int64_t end, int64_t chunk, const F& f) 
   parallel_for(0, std::min(num_threads(), chunks), 1, [&](int64_t, int64_t) {
     for (int64_t c = next++; c < chunks; c = next++) f(begin + c * chunk, std::min(end, begin + (c + 1) * chunk));
   });
+}
+
+// Chunks a thread outside a team takes of a prefetched loop (below): enough that a thread slowed by the other
+// tenants of its core hands its last chunks to the faster one, few enough that each is a long run of weights.
+constexpr int64_t kChunksPerThread = 8;
+
+// The loop over the plan's target the leader is on (prefetch_reached): in a team whose workers prefetch, split as
+// they prefetched it, the leader's share weighed against a worker's as the team has learned for the target's key
+// (its rows come from memory, theirs from cache). Outside a team (the logits' matrix after the stack), chunks of
+// whole grains from a shared counter, not halves: the halves waited on whichever vCPU the host slowed that moment
+// (this VM's two ran one loop at 65 and 111 cycles a block in turn). For loops whose output does not depend on
+// where the range is cut.
+template <typename F>
+void prefetched_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (begin >= end) return;
+  if (end - begin > grain && detail::team_parallel_for(begin, end, grain, f, true)) return;
+  const int64_t threads = num_threads();
+  if (threads <= 1) return f(begin, end);  // one thread (or inside a parallel region): the range whole
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t per_chunk = (end - begin + threads * kChunksPerThread - 1) / (threads * kChunksPerThread);
+  shared_parallel_for(begin, end, std::max(grain, (per_chunk + grain - 1) / grain * grain), f);
 }
 
 }  // namespace tandem_cpu

@@ -117,6 +117,31 @@ def test_without_prefetching_a_prefetched_loop_splits_as_aten_does(threads: int)
         assert torch.ops.tandem_cpu.set_team_prefetch(True) is False
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+@pytest.mark.parametrize(("n", "grain"), [(1, 1), (5, 1), (8, 4), (120, 4), (6144, 4), (100, 16), (17, 16)])
+def test_outside_a_team_a_prefetched_loop_is_shared_in_chunks_of_whole_grains(threads: int, n: int,
+                                                                               grain: int) -> None:
+    """Outside a team (the logits' matrix after the stack) the threads take a prefetched loop's chunks from a
+    shared counter, so a thread the host slows hands its last ones to the other: the chunks cover the range once,
+    every cut on a whole grain, in equal chunks, up to 8 a thread; one thread takes it whole."""
+    assert torch.ops.tandem_cpu.set_step_team(False) is True
+    try:
+        bounds = list(torch.ops.tandem_cpu.team_chunks(n, grain, -1, 3))
+    finally:
+        assert torch.ops.tandem_cpu.set_step_team(True) is False
+    pairs = list(zip(bounds[::2], bounds[1::2], strict=True))
+    assert pairs[0][0] == 0 and pairs[-1][1] == n and all(a[1] == b[0] for a, b in itertools.pairwise(pairs))
+    assert all(begin % grain == 0 for begin, _ in pairs), pairs
+    if threads == 1:
+        assert pairs == [(0, n)]
+    else:
+        sizes = [end - begin for begin, end in pairs]
+        assert len(set(sizes[:-1])) <= 1 and sizes[-1] <= sizes[0], sizes  # equal chunks, the last the rest
+        assert len(pairs) <= 8 * threads, pairs
+        if n >= 8 * threads * grain:  # room for many: far more than one a thread
+            assert len(pairs) > 4 * threads, pairs
+
+
 @pytest.mark.parametrize("threads", [3], indirect=True)
 def test_an_error_in_a_prefetched_loop_reaches_the_caller(threads: int) -> None:
     torch.ops.tandem_cpu.reset_team_weights()
