@@ -93,7 +93,7 @@ def cpu_model() -> str:
 
 def weight_bytes(model: LlamaModel) -> int:
     """Bytes of the matrices one decode step reads."""
-    return sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size() for w in matrices(model))
+    return sum(t.nbytes for t in weight_tensors(model))
 
 
 class Round(NamedTuple):
@@ -160,11 +160,12 @@ void evict_lines(const std::vector<torch::Tensor>& tensors) {
 """
 
 
-def matrices(model: LlamaModel) -> list[torch.Tensor | QuantizedWeight]:
-    """The matrices one decode step reads: the tied head once (the embedding lookup is a few rows) and every
-    layer's four."""
-    return [model.lm_head, *(w for layer in model.layers for w in (layer.qkv, layer.o_proj, layer.gate_up,
-                                                                   layer.down))]
+def weight_tensors(model: LlamaModel) -> list[torch.Tensor]:
+    """The tensors holding the matrices one decode step reads (a quantized one's blocks, a dense one itself): the
+    tied head once (the embedding lookup is a few rows) and every layer's four."""
+    matrices = [model.lm_head, *(w for layer in model.layers for w in (layer.qkv, layer.o_proj, layer.gate_up,
+                                                                       layer.down))]
+    return [w.data if isinstance(w, QuantizedWeight) else w for w in matrices]
 
 
 class WeightEvictor:
@@ -180,7 +181,7 @@ class WeightEvictor:
                                         functions=["evict_lines", "evict_lines_opt"], extra_cflags=["-O2"],
                                         build_directory=str(build), verbose=False)
         self.evict = ext.evict_lines_opt if "clflushopt" in cpu_flags() else ext.evict_lines
-        self.tensors = [w.data if isinstance(w, QuantizedWeight) else w for w in matrices(model)]
+        self.tensors = weight_tensors(model)
 
     def __call__(self) -> None:
         self.evict(self.tensors)
