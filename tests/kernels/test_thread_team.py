@@ -142,6 +142,19 @@ def test_outside_a_team_a_prefetched_loop_is_shared_in_chunks_of_whole_grains(th
             assert len(pairs) > 4 * threads, pairs
 
 
+@pytest.mark.parametrize("threads", [2, 3], indirect=True)
+def test_outside_a_team_an_error_in_any_chunk_of_a_prefetched_loop_reaches_the_caller(threads: int) -> None:
+    assert torch.ops.tandem_cpu.set_step_team(False) is True
+    try:
+        chunks = list(torch.ops.tandem_cpu.team_chunks(120, 4, -1, 3))
+        for begin in chunks[::2]:
+            with pytest.raises(RuntimeError, match=f"chunk at {begin} threw"):
+                torch.ops.tandem_cpu.team_chunks(120, 4, begin, 3)
+        assert list(torch.ops.tandem_cpu.team_chunks(120, 4, -1, 3)) == chunks
+    finally:
+        assert torch.ops.tandem_cpu.set_step_team(True) is False
+
+
 @pytest.mark.parametrize("threads", [3], indirect=True)
 def test_an_error_in_a_prefetched_loop_reaches_the_caller(threads: int) -> None:
     torch.ops.tandem_cpu.reset_team_weights()
